@@ -1,0 +1,202 @@
+"""Argument checks shared by every entrypoint.
+
+None of these read device memory: they look at shapes, dtypes, strides and
+pointers only, so native wrappers stay free of host syncs and can be captured
+in CUDA Graphs. TypeError means a wrong Python type or a metadata dtype;
+ValueError means a wrong shape, layout or value. Messages name the argument,
+what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)
+
+LAYOUT_ERROR = "vector loads require unit feature stride and 16-byte alignment"
+
+
+def tensor(name: str, x, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None:
+        ranks = (ndim,) if isinstance(ndim, int) else ndim
+        if x.dim() not in ranks:
+            want = " or ".join(str(r) for r in ranks)
+            raise ValueError(f"{name} must have rank {want}, got shape {tuple(x.shape)}")
+    return x
+
+
+def floating(name: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def int32(name: str, x, *, ndim: int | None = None, shape: tuple | None = None) -> torch.Tensor:
+    """Metadata (indices, positions, lengths, page tables) is int32, never converted."""
+    tensor(name, x, ndim=ndim)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return x
+
+
+def optional_int32(name: str, x, **kw) -> torch.Tensor | None:
+    return None if x is None else int32(name, x, **kw)
+
+
+def same_device(**tensors: torch.Tensor | None) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for n, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}; all tensors must share one device")
+
+
+def same_dtype(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for n, t in rest:
+        if t.dtype != first.dtype:
+            raise ValueError(f"{n} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
+
+
+def native_dtype(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in NATIVE_DTYPES:
+        raise ValueError(
+            f"backend='tilelang' supports bfloat16 and float16 {name}, got {x.dtype}; use backend='reference' for other dtypes"
+        )
+
+
+def vector_layout(name: str, x: torch.Tensor) -> None:
+    """The layout rule of native vector (and TMA) loads.
+
+    Feature stride 1, data_ptr 16-byte aligned, and every outer axis with more
+    than one element has a positive stride spanning a multiple of 16 bytes.
+    """
+    es = x.element_size()
+    problems = []
+    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        problems.append(f"stride(-1) is {x.stride(-1)}, expected 1")
+    if x.data_ptr() % 16:
+        problems.append(f"data_ptr() is {x.data_ptr() % 16} bytes past a 16-byte boundary")
+    for axis in range(x.dim() - 1):
+        s = x.stride(axis)
+        if x.shape[axis] > 1 and (s <= 0 or (s * es) % 16):
+            problems.append(f"stride({axis}) is {s} elements ({s * es} bytes), expected a positive multiple of {16 // es}")
+    if problems:
+        raise ValueError(
+            f"{name}: {LAYOUT_ERROR} ({'; '.join(problems)}); pass a contiguous copy or adjust the slice offsets instead"
+        )
+
+
+def unit_feature_stride(name: str, x: torch.Tensor) -> None:
+    """Looser rule for loads that go through plain (LSU) loads: broadcast outer axes are fine."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit feature stride (stride(-1) == 1), got {x.stride(-1)}")
+
+
+def canonical_unit_strides(x: torch.Tensor) -> torch.Tensor:
+    """A zero-copy view whose size-1 axes carry a TMA-legal stride.
+
+    Size-1 axes are exempt from the layout rule, so their stride can be any
+    value; a tensor-map descriptor still encodes it, so give them the stride
+    a contiguous tensor would have there.
+    """
+    strides = list(x.stride())
+    for axis in range(x.dim() - 1, -1, -1):
+        if x.shape[axis] == 1:
+            inner = [(x.shape[a], strides[a]) for a in range(axis + 1, x.dim())]
+            strides[axis] = max([n * s for n, s in inner], default=1)
+    if strides == list(x.stride()):
+        return x
+    return x.as_strided(x.shape, strides)
+
+
+def positive_float(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v}")
+    return v
+
+
+def flag(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def positive_int(name: str, v, *, allow_none: bool = False) -> int | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v <= 0:
+        raise ValueError(f"{name} must be positive, got {v}")
+    return v
+
+
+def score_multiplier(scale, score_scale, dim: int) -> float:
+    """`scale` multiplies scores, `score_scale` divides them; at most one of the two."""
+    if scale is not None and score_scale is not None:
+        raise ValueError("pass either scale (a multiplier) or score_scale (a denominator), not both")
+    if score_scale is not None:
+        return 1.0 / positive_float("score_scale", score_scale)
+    if scale is not None:
+        return positive_float("scale", scale)
+    return 1.0 / math.sqrt(dim)
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """Byte interval [lo, hi) a tensor's elements can touch."""
+    if x.numel() == 0:
+        return (0, 0)
+    lo = hi = x.data_ptr()
+    for n, s in zip(x.shape, x.stride()):
+        reach = (n - 1) * s * x.element_size()
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + x.element_size()
+
+
+def no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Reject outputs whose memory span meets an input's or another output's.
+
+    The test is on byte spans, so it is conservative: two interleaved views
+    that never touch the same element are rejected too.
+    """
+    outs = [(n, t, _span(t)) for n, t in outputs.items() if t is not None]
+    others = outs + [(n, t, _span(t)) for n, t in inputs.items() if t is not None]
+    for i, (on, ot, (olo, ohi)) in enumerate(outs):
+        for n, t, (lo, hi) in others[i + 1 :]:
+            if t.device == ot.device and olo < hi and lo < ohi:
+                raise ValueError(f"{on} overlaps {n} in memory; outputs must not share memory with inputs or other outputs")
+
+
+def _self_overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements may share memory (sufficient test: each stride clears the inner extent)."""
+    extent = 0
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
+        if s <= extent:
+            return True
+        extent += (n - 1) * s
+    return False
+
+
+def out_buffer(name: str, out, *, shape, dtype, device) -> torch.Tensor:
+    """A caller-provided output: exact shape, dtype and device, positive strides, no self-overlap."""
+    tensor(name, out)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"{name} must be on {device}, got {out.device}")
+    if any(s <= 0 for n, s in zip(out.shape, out.stride()) if n > 1):
+        raise ValueError(f"{name} must have positive strides, got {tuple(out.stride())}")
+    if _self_overlaps(out):
+        raise ValueError(f"{name} has internal overlap (some elements share memory); pass a non-overlapping view")
+    return out

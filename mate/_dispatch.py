@@ -1,0 +1,200 @@
+"""Backend choice, GPU target detection, tile configs and the compiled-kernel cache.
+
+The route of every native call: `backend(...)` → `target_of(device)` → `kernel(stage, spec, target)`,
+which looks up the stage's tile parameters for `spec` in `configs/<target>.yaml`,
+builds the TileLang program and compiles it once per process (TileLang's disk
+cache, `TILELANG_CACHE_DIR`, carries compiled kernels across processes).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+BACKENDS = ("tilelang", "reference")
+
+# mate target -> (CUDA compute capability, TileLang target).
+TARGETS = {
+    "sm90": ((9, 0), {"kind": "cuda", "arch": "sm_90a"}),
+}
+
+
+def backend(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"backend must be a str, got {type(value).__name__}")
+    if value not in BACKENDS:
+        raise ValueError(
+            f"backend must be 'tilelang' or 'reference', got {value!r}; "
+            "mate has no automatic backend and never falls back to the reference silently"
+        )
+    return value
+
+
+# ---------------------------------------------------------------- tile configs
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A native stage: its TileLang builder and the tile parameters its config entries hold.
+
+    `build(**spec, **tiles)` returns a `T.prim_func`; `spec` is the specialization
+    (dtype, page size, ...) named by the config key, `tiles` the entry's values.
+    """
+
+    name: str
+    build: Callable
+    params: tuple[str, ...]
+
+
+STAGES: dict[str, Stage] = {}
+
+
+def register(stage: Stage) -> Stage:
+    STAGES[stage.name] = stage
+    return stage
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def config_dir() -> Path:
+    """configs/ from the environment, the installed wheel (mate/configs) or the source tree."""
+    if os.environ.get("MATE_CONFIG_DIR"):
+        return Path(os.environ["MATE_CONFIG_DIR"])
+    here = Path(__file__).resolve().parent
+    return here / "configs" if (here / "configs").is_dir() else here.parent / "configs"
+
+
+def spec_key(spec: dict) -> str:
+    """The config key of a specialization: `dtype=bfloat16,page_size=16`."""
+    return ",".join(f"{k}={v}" for k, v in spec.items())
+
+
+def parse_key(key: str) -> dict:
+    spec = {}
+    for part in key.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"bad specialization key {key!r}: expected name=value pairs separated by commas")
+        value = value.strip()
+        spec[name.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return spec
+
+
+def validate_config(data, path) -> dict:
+    """Schema: {stage: {key: {param: positive int, ..., [measured: str]}}}."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of stage names, got {type(data).__name__}")
+    for stage_name, entries in data.items():
+        if stage_name not in STAGES:
+            raise ConfigError(f"{path}: unknown stage {stage_name!r}; known stages: {', '.join(sorted(STAGES))}")
+        params = STAGES[stage_name].params
+        if not isinstance(entries, dict) or not entries:
+            raise ConfigError(f"{path}: {stage_name}: expected a non-empty mapping of specialization keys")
+        for key, entry in entries.items():
+            where = f"{path}: {stage_name}.{key}"
+            try:
+                parse_key(str(key))
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where}: expected a mapping of tile parameters, got {entry!r}")
+            for p in params:
+                if p not in entry:
+                    raise ConfigError(f"{where}: missing tile parameter {p!r} (expected {', '.join(params)})")
+                v = entry[p]
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"{where}.{p}: expected a positive integer, got {v!r}")
+            extra = set(entry) - set(params) - {"measured"}
+            if extra:
+                raise ConfigError(f"{where}: unknown tile parameter(s) {', '.join(sorted(extra))} (expected {', '.join(params)})")
+            if "measured" in entry and not isinstance(entry["measured"], str):
+                raise ConfigError(f"{where}.measured: expected a string, got {entry['measured']!r}")
+    return data
+
+
+@functools.cache
+def load_config(target: str) -> dict:
+    path = config_dir() / f"{target}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no tile config for target {target!r} at {path}")
+    with open(path) as f:
+        return validate_config(yaml.safe_load(f) or {}, path)
+
+
+def supported_targets() -> list[str]:
+    return [t for t in TARGETS if (config_dir() / f"{t}.yaml").is_file()]
+
+
+def tiles(stage: str, spec: dict, target: str) -> dict:
+    entries = load_config(target).get(stage, {})
+    key = spec_key(spec)
+    if key not in entries:
+        have = "; ".join(entries) or "none"
+        raise ValueError(
+            f"no {stage} tile config for {key} on {target} ({config_dir() / (target + '.yaml')}); supported: {have}"
+        )
+    return {p: entries[key][p] for p in STAGES[stage].params}
+
+
+# ---------------------------------------------------------------- targets
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def target_of(x: torch.Tensor, name: str) -> str:
+    """The mate target of the GPU holding `x`; raises before any compilation if there is none."""
+    targets = supported_targets()
+    listed = ", ".join(f"{t} (compute capability {TARGETS[t][0][0]}.{TARGETS[t][0][1]})" for t in targets)
+    if x.device.type != "cuda":
+        raise ValueError(
+            f"backend='tilelang' needs CUDA tensors, but {name} is on {x.device}; "
+            f"supported targets: {listed}; use backend='reference' elsewhere"
+        )
+    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    for t in targets:
+        if TARGETS[t][0] == cap:
+            return t
+    raise ValueError(
+        f"backend='tilelang' has no tile config for this GPU (compute capability {cap[0]}.{cap[1]}); "
+        f"supported targets: {listed}; use backend='reference' elsewhere"
+    )
+
+
+# ---------------------------------------------------------------- kernels
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None):
+    """Build and compile one specialization (used by dispatch, the CI compile check and tuning)."""
+    import tilelang
+
+    values = tiles(stage, spec, target) if tile_values is None else tile_values
+    program = STAGES[stage].build(**spec, **values)
+    return tilelang.compile(program, target=TARGETS[target][1])
+
+
+def kernel(stage: str, spec: dict, target: str):
+    """The compiled kernel for (stage, specialization, tile config, target), compiled on first use."""
+    values = tiles(stage, spec, target)
+    key = (stage, tuple(spec.items()), tuple(values.items()), target)
+    k = _kernels.get(key)
+    if k is None:
+        with _lock:
+            k = _kernels.get(key)
+            if k is None:
+                k = _kernels[key] = compile_program(stage, spec, target, values)
+    return k

@@ -1,0 +1,145 @@
+"""TileLang programs of the QSA MQA indexer.
+
+score(row, key) = scale * sum_h relu(q[row, h] . k[key]), FP32, -inf where the key is not visible.
+
+`mqa_logits` serves the padded score and packed prefill entrypoints: each row
+sees the keys of one half-open interval [lo, hi) of its batch entry. Query
+rows are the MMA's M operand, one GEMM per head (ReLU sits between the heads'
+products and their sum, so the heads cannot share one GEMM), keys the N
+operand. Key tiles wholly outside every row's interval are filled with -inf
+without loading K; the key axis is split over `grid_y` CTAs so that short
+row counts still fill the GPU.
+
+`mqa_decode` serves paged decode, one query row of 4 heads per request. The
+gathered keys are the M operand and the 4 heads, zero-padded to 8, the N
+operand, so the tensor cores still do the dot products.
+"""
+
+import tilelang.language as T
+
+NEG_INF = -T.infinity("float32")
+
+
+def mqa_logits(dtype, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
+    B, R, N = T.dynamic("B R N")
+    splits = T.dynamic("splits")
+    sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((B, R, heads, dim), (sqb, sqr, sqh, 1), dtype),
+        K: T.StridedTensor((B, N, dim), (skb, skn, 1), dtype),
+        lo: T.StridedTensor((B, R), (slb, slr), "int32"),
+        hi: T.StridedTensor((B, R), (shb, shr), "int32"),
+        O: T.Tensor((B, R, N), "float32"),
+        scale: T.float32,
+        key_splits: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(R, block_rows), key_splits, B, threads=threads) as (bx, by, bz):
+            Qs = T.alloc_shared((heads, block_rows, dim), dtype)
+            Ks = T.alloc_shared((block_keys, dim), dtype)
+            lo_s = T.alloc_shared((block_rows,), "int32")
+            hi_s = T.alloc_shared((block_rows,), "int32")
+            S = T.alloc_fragment((block_rows, block_keys), "float32")
+            acc = T.alloc_fragment((block_rows, block_keys), "float32")
+            lo_min = T.alloc_var("int32")
+            hi_max = T.alloc_var("int32")
+            # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
+            T.assume(sqb % 8 == 0)
+            T.assume(sqr % 8 == 0)
+            T.assume(sqh % 8 == 0)
+            r0 = bx * block_rows
+
+            # Rows past R and rows with an empty interval must not widen the tile range.
+            for i in T.Parallel(block_rows):
+                a = T.if_then_else(r0 + i < R, T.max(lo[bz, r0 + i], 0), N)
+                b = T.if_then_else(r0 + i < R, T.min(hi[bz, r0 + i], N), 0)
+                lo_s[i] = T.if_then_else(a < b, a, N)
+                hi_s[i] = T.if_then_else(a < b, b, 0)
+            for h in T.serial(heads):
+                T.copy(Q[bz, r0 : r0 + block_rows, h, :], Qs[h, :, :])
+            lo_min = N
+            hi_max = 0
+            for i in T.serial(block_rows):
+                lo_min = T.min(lo_min, lo_s[i])
+                hi_max = T.max(hi_max, hi_s[i])
+
+            tiles = T.ceildiv(N, block_keys)
+            per_split = T.ceildiv(tiles, key_splits)
+            t_begin = by * per_split
+            t_end = T.min(t_begin + per_split, tiles)
+            # The tiles of this split that some row can see: [c_begin, c_end).
+            c_begin = T.max(t_begin, lo_min // block_keys)
+            c_end = T.max(c_begin, T.min(t_end, T.ceildiv(hi_max, block_keys)))
+
+            T.fill(acc, NEG_INF)
+            for t in T.serial(t_begin, T.min(c_begin, t_end)):
+                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+            for t in T.serial(c_end, t_end):
+                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+
+            for t in T.Pipelined(c_end - c_begin, num_stages=num_stages):
+                k0 = (c_begin + t) * block_keys
+                T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
+                T.clear(acc)
+                for h in T.serial(heads):
+                    T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(block_rows, block_keys):
+                        acc[i, j] += T.max(S[i, j], 0)
+                for i, j in T.Parallel(block_rows, block_keys):
+                    n = k0 + j
+                    acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+                T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
+
+    return main
+
+
+def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
+    assert block_keys % page_size == 0, "block_keys must be a multiple of page_size"
+    B, P, MP, L = T.dynamic("B P MP L")
+    sqb, sqh, skp, skt, spb, spp, scl = T.dynamic("sqb sqh skp skt spb spp scl", "int64")
+    heads_mma = max(8, heads)  # the MMA's N is at least 8: pad heads with zero rows
+    pages_per_tile = block_keys // page_size
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((B, heads, dim), (sqb, sqh, 1), dtype),
+        Kc: T.StridedTensor((P, page_size, dim), (skp, skt, 1), dtype),
+        page_table: T.StridedTensor((B, MP), (spb, spp), "int32"),
+        context_lens: T.StridedTensor((B,), (scl,), "int32"),
+        O: T.Tensor((B, L), "float32"),
+        scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(L, block_keys), B, threads=threads) as (bx, by):
+            Qs = T.alloc_shared((heads_mma, dim), dtype)
+            Ks = T.alloc_shared((block_keys, dim), dtype)
+            pages = T.alloc_shared((pages_per_tile,), "int32")
+            S = T.alloc_fragment((block_keys, heads_mma), "float32")
+            score = T.alloc_fragment((block_keys,), "float32")
+            # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
+            T.assume(skp % 8 == 0)
+            T.assume(skt % 8 == 0)
+            n0 = bx * block_keys
+            ctx = context_lens[by]
+
+            # A page is read only if it is in the table, inside the pool and holds a visible key.
+            for j in T.Parallel(pages_per_tile):
+                lp = n0 // page_size + j
+                p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
+                pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+            # Q goes through plain loads, so a broadcast (stride-0) batch axis is fine.
+            for h, d in T.Parallel(heads_mma, dim):
+                Qs[h, d] = T.if_then_else(h < heads, Q[by, h, d], T.cast(0, dtype))
+            for i, d in T.Parallel(block_keys, dim):
+                p = pages[i // page_size]
+                Ks[i, d] = T.if_then_else(p >= 0, Kc[p, i % page_size, d], T.cast(0, dtype))
+            T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
+            for i, h in T.Parallel(block_keys, heads_mma):
+                S[i, h] = T.max(S[i, h], 0)
+            T.reduce_sum(S, score, dim=1)
+            for i in T.Parallel(block_keys):
+                n = n0 + i
+                if n < L:
+                    O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
+
+    return main

@@ -1,0 +1,123 @@
+"""Backend choice, tile-config loading and its schema, and the shared checks."""
+
+import pytest
+import torch
+import yaml
+
+import mate  # noqa: F401  (registers the stages)
+from mate import _checks as C
+from mate import _dispatch
+
+
+def test_backend_values():
+    assert _dispatch.backend("tilelang") == "tilelang"
+    assert _dispatch.backend("reference") == "reference"
+    for bad in ("auto", "torch", ""):
+        with pytest.raises(ValueError, match="backend"):
+            _dispatch.backend(bad)
+    with pytest.raises(TypeError, match="backend"):
+        _dispatch.backend(None)
+
+
+def test_keys_round_trip():
+    spec = {"dtype": "bfloat16", "page_size": 16}
+    assert _dispatch.spec_key(spec) == "dtype=bfloat16,page_size=16"
+    assert _dispatch.parse_key("dtype=bfloat16,page_size=16") == spec
+    with pytest.raises(ValueError, match="name=value"):
+        _dispatch.parse_key("bfloat16")
+
+
+def test_shipped_config_is_valid_and_complete():
+    config = _dispatch.load_config("sm90")
+    assert set(config) <= set(_dispatch.STAGES)
+    for stage, entries in config.items():
+        for key in entries:
+            assert set(_dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")) == set(_dispatch.STAGES[stage].params)
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "sm90.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"no_such_stage": {"dtype=bfloat16": {}}}, "unknown stage 'no_such_stage'"),
+        ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128}}}, r"mqa_decode\.dtype=bfloat16,page_size=16: missing tile parameter 'block_keys'"),
+        ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": -64}}}, r"\.block_keys: expected a positive integer"),
+        ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": "64"}}}, r"\.block_keys: expected a positive integer"),
+        ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": 64, "warps": 4}}}, "unknown tile parameter"),
+        ({"mqa_decode": {"bfloat16": {"threads": 128, "block_keys": 64}}}, "name=value"),
+        ({"mqa_decode": []}, "non-empty mapping"),
+        (["mqa_decode"], "mapping of stage names"),
+    ],
+)
+def test_config_schema_errors_name_file_and_key(tmp_path, data, match):
+    path = _write(tmp_path, data)
+    with pytest.raises(_dispatch.ConfigError, match=match) as e:
+        _dispatch.validate_config(yaml.safe_load(path.read_text()), path)
+    assert str(path) in str(e.value)
+
+
+def test_config_dir_override_and_missing_key(tmp_path, monkeypatch):
+    _write(tmp_path, {"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": 64, "measured": "by hand"}}})
+    monkeypatch.setenv("MATE_CONFIG_DIR", str(tmp_path))
+    _dispatch.load_config.cache_clear()
+    try:
+        assert _dispatch.tiles("mqa_decode", {"dtype": "bfloat16", "page_size": 16}, "sm90") == {"block_keys": 64, "threads": 128}
+        with pytest.raises(ValueError, match="no mqa_decode tile config for dtype=float16,page_size=16 on sm90.*supported: dtype=bfloat16,page_size=16"):
+            _dispatch.tiles("mqa_decode", {"dtype": "float16", "page_size": 16}, "sm90")
+    finally:
+        monkeypatch.delenv("MATE_CONFIG_DIR")
+        _dispatch.load_config.cache_clear()
+
+
+def test_target_of_rejects_cpu_naming_targets():
+    with pytest.raises(ValueError, match=r"sm90 \(compute capability 9\.0\)"):
+        _dispatch.target_of(torch.empty(1), "x")
+
+
+# ---------------------------------------------------------------- shared checks
+
+
+def test_out_buffer_checks():
+    buf = torch.empty(4, 6)
+    assert C.out_buffer("out", buf[:, :3], shape=(4, 3), dtype=torch.float32, device=buf.device) is not None
+    with pytest.raises(ValueError, match="out must have shape"):
+        C.out_buffer("out", buf, shape=(4, 3), dtype=torch.float32, device=buf.device)
+    with pytest.raises(ValueError, match="out must have dtype"):
+        C.out_buffer("out", buf.half(), shape=(4, 6), dtype=torch.float32, device=buf.device)
+    with pytest.raises(ValueError, match="internal overlap"):
+        C.out_buffer("out", torch.empty(8).as_strided((4, 3), (1, 1)), shape=(4, 3), dtype=torch.float32, device=buf.device)
+    with pytest.raises(ValueError, match="positive strides"):
+        C.out_buffer("out", torch.empty(1, 3).expand(4, 3), shape=(4, 3), dtype=torch.float32, device=buf.device)
+    with pytest.raises(TypeError, match="out"):
+        C.out_buffer("out", [1], shape=(1,), dtype=torch.float32, device=buf.device)
+
+
+def test_no_overlap():
+    base = torch.empty(10, 8)
+    C.no_overlap({"out": base[5:]}, {"q": base[:5]})
+    with pytest.raises(ValueError, match="out overlaps q"):
+        C.no_overlap({"out": base[4:]}, {"q": base[:5]})
+    with pytest.raises(ValueError, match="out overlaps lse"):
+        C.no_overlap({"out": base[:2], "lse": base[1:3]}, {})
+    C.no_overlap({"out": torch.empty(3)}, {"q": None})
+
+
+def test_int32_and_scale_checks():
+    with pytest.raises(TypeError, match="idx must be an int32 tensor, got torch.int64"):
+        C.int32("idx", torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"idx must have shape \(4,\)"):
+        C.int32("idx", torch.zeros(3, dtype=torch.int32), shape=(4,))
+    assert C.score_multiplier(None, None, 64) == 0.125
+    assert C.score_multiplier(None, 8.0, 64) == 0.125
+    assert C.score_multiplier(2.0, None, 64) == 2.0
+
+
+def test_canonical_unit_strides_is_a_view():
+    x = torch.empty(16, 4, 8)[3:4]
+    y = C.canonical_unit_strides(x.as_strided((1, 4, 8), (5, 8, 1)))
+    assert y.stride() == (32, 8, 1) and y.data_ptr() == x.data_ptr()

@@ -1,0 +1,271 @@
+"""MQA indexer on the CPU: the reference against a naive float64 loop oracle, and every documented error."""
+
+import math
+
+import pytest
+import torch
+
+import mate
+from mate import _checks
+
+H, D = 4, 128
+
+
+# ---------------------------------------------------------------- naive oracle
+
+
+def naive_row(q_row, key_of, visible, n_keys, scale):
+    """One row's scores, key by key, in float64: sum_h max(0, q_h . k) * scale or -inf."""
+    out = torch.full((n_keys,), float("-inf"), dtype=torch.float64)
+    for j in range(n_keys):
+        if visible(j):
+            k = key_of(j).double()
+            out[j] = sum(max(0.0, float(q_row[h].double() @ k)) for h in range(q_row.shape[0])) * scale
+    return out
+
+
+def paged_key(cache, table_row, page_size):
+    def key_of(j):
+        return cache[int(table_row[j // page_size]), j % page_size]
+
+    def exists(j):
+        c = j // page_size
+        return c < table_row.shape[0] and 0 <= int(table_row[c]) < cache.shape[0]
+
+    return key_of, exists
+
+
+def close(out, ref):
+    assert out.dtype == torch.float32
+    ref = ref.to(out.shape and torch.float64)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = ~torch.isinf(ref)
+    torch.testing.assert_close(out[fin].double(), ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+# ---------------------------------------------------------------- reference vs oracle
+
+
+@pytest.mark.parametrize("block_size", [4, 2])
+@pytest.mark.parametrize("with_positions", [False, True])
+@pytest.mark.parametrize("with_seq_lens", [False, True])
+def test_score_padded(gen, block_size, with_positions, with_seq_lens):
+    B, Q, N, d = 3, 9, 6, 16
+    q, k = rand(gen, B, Q, H, d), rand(gen, B, N, d)
+    pos = torch.randint(-2, 4 * N + 4, (B, Q), generator=gen, dtype=torch.int32) if with_positions else None
+    lens = torch.tensor([9, 4, 0], dtype=torch.int32) if with_seq_lens else None
+    out = mate.qsa_indexer_mqa_score(q, k, query_positions=pos, seq_lens_q=lens, block_size=block_size, backend="reference")
+    assert out.shape == (B, Q, N)
+    for b in range(B):
+        for i in range(Q):
+            p = int(pos[b, i]) if pos is not None else i
+            live = lens is None or i < int(lens[b])
+            ref = naive_row(q[b, i], lambda j: k[b, j], lambda j: live and block_size * j + block_size - 1 <= p, N, 1 / math.sqrt(d))
+            close(out[b, i], ref)
+
+
+def test_score_paged_with_missing_pages(gen):
+    B, Q, ps, pages, d = 2, 11, 3, 5, 16
+    q, cache = rand(gen, B, Q, H, d), rand(gen, pages, ps, 1, d)
+    table = torch.tensor([[4, -1, 0, 7], [2, 3, 1, -1]], dtype=torch.int32)  # -1 and 7 (past the pool) are missing
+    pos = torch.randint(0, 20, (B, Q), generator=gen, dtype=torch.int32)
+    out = mate.qsa_indexer_mqa_score(q, cache, block_table=table, page_size=ps, query_positions=pos, scale=0.5, backend="reference")
+    assert out.shape == (B, Q, 4 * ps)
+    for b in range(B):
+        key_of, exists = paged_key(cache[:, :, 0], table[b], ps)
+        for i in range(Q):
+            p = int(pos[b, i])
+            ref = naive_row(q[b, i], key_of, lambda j: exists(j) and 4 * j + 3 <= p, 4 * ps, 0.5)
+            close(out[b, i], ref)
+
+
+@pytest.mark.parametrize("form", ["cu_seqlens", "token_to_req"])
+def test_score_varlen(gen, form):
+    lens = [5, 0, 8]
+    rows, N, d = sum(lens), 7, 16
+    q, k = rand(gen, rows, H, d), rand(gen, 3, N, d)
+    req = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    perm = torch.randperm(rows, generator=gen) if form == "token_to_req" else torch.arange(rows)
+    q = q[perm]
+    req = req[perm]
+    if form == "cu_seqlens":
+        kw = dict(cu_seqlens_q=torch.tensor([0, 5, 5, 13], dtype=torch.int32))
+    else:
+        kw = dict(token_to_req=req.to(torch.int32), num_requests=3)
+    out = mate.qsa_indexer_mqa_score(q, k, score_scale=3.0, backend="reference", **kw)
+    assert out.shape == (rows, N)
+    seen = [0, 0, 0]
+    for r in range(rows):
+        b = int(req[r])
+        p = seen[b]  # a row's default position is its index within its request
+        seen[b] += 1
+        ref = naive_row(q[r], lambda j: k[b, j], lambda j: 4 * j + 3 <= p, N, 1 / 3.0)
+        close(out[r], ref)
+
+
+def test_prefill(gen):
+    rows, keys, d = 13, 10, 16
+    q, k = rand(gen, rows, H, d), rand(gen, keys, 1, d)
+    starts = torch.randint(-3, keys + 2, (rows,), generator=gen, dtype=torch.int32)
+    ends = torch.randint(-3, keys + 4, (rows,), generator=gen, dtype=torch.int32)
+    out = mate.qsa_mqa_prefill(q, k, starts, ends, backend="reference")
+    assert out.shape == (rows, keys)
+    for r in range(rows):
+        ref = naive_row(q[r], lambda j: k[j, 0], lambda j: int(starts[r]) <= j < int(ends[r]), keys, 1 / math.sqrt(d))
+        close(out[r], ref)
+    assert mate.qsa_mqa is mate.qsa_mqa_prefill
+
+
+@pytest.mark.parametrize("q_rank", [3, 4])
+def test_decode(gen, q_rank):
+    B, ps, pages, d, L = 4, 4, 6, 16, 22
+    q = rand(gen, B, H, d) if q_rank == 3 else rand(gen, B, 1, H, d)
+    cache = rand(gen, pages, ps, 1, d)
+    table = torch.tensor([[0, 1, 2, 3], [5, -1, 4, 9], [2, 2, 2, 2], [1, 0, -1, -1]], dtype=torch.int32)
+    ctx = torch.tensor([16, 13, 0, 30], dtype=torch.int32)  # 30 is past the table's capacity
+    out = mate.qsa_mqa_decode(q, cache, table, ctx, L, scale=0.25, backend="reference")
+    assert out.shape == (B, L)
+    q3 = q.reshape(B, H, d)
+    for b in range(B):
+        key_of, exists = paged_key(cache[:, :, 0], table[b], ps)
+        ref = naive_row(q3[b], key_of, lambda j: exists(j) and j < int(ctx[b]), L, 0.25)
+        close(out[b], ref)
+
+
+def test_scale_and_score_scale_agree(gen):
+    q, k = rand(gen, 1, 8, H, 16), rand(gen, 1, 3, 16)
+    a = mate.qsa_indexer_mqa_score(q, k, scale=0.25, backend="reference")
+    b = mate.qsa_indexer_mqa_score(q, k, score_scale=4.0, backend="reference")
+    torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def i32(*vals_or_shape, shape=None):
+    return torch.zeros(shape, dtype=torch.int32) if shape is not None else torch.tensor(vals_or_shape, dtype=torch.int32)
+
+
+def raises(exc, match, fn, *args, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def test_backend_errors():
+    q, k = bf16(1, 4, H, D), bf16(1, 1, D)
+    raises(ValueError, "backend", mate.qsa_indexer_mqa_score, q, k, backend="auto")
+    raises(ValueError, "backend", mate.qsa_mqa_prefill, q[0], k[0], i32(0, 0, 0, 0), i32(1, 1, 1, 1), backend="cuda")
+    raises(TypeError, "backend", mate.qsa_mqa_decode, q[:, 0], k, i32(0).view(1, 1), i32(1), 4, backend=None)
+
+
+def test_native_rejects_cpu_and_names_targets():
+    raises(ValueError, "sm90", mate.qsa_indexer_mqa_score, bf16(1, 4, H, D), bf16(1, 1, D))
+    raises(ValueError, "sm90", mate.qsa_mqa_prefill, bf16(4, H, D), bf16(2, D), i32(0, 0, 0, 0), i32(1, 1, 1, 1))
+    raises(ValueError, "sm90", mate.qsa_mqa_decode, bf16(1, H, D), bf16(2, 16, 1, D), i32(0).view(1, 1), i32(1), 16)
+
+
+def test_type_errors():
+    q, k = bf16(1, 4, H, D), bf16(1, 1, D)
+    raises(TypeError, "q_idx", mate.qsa_indexer_mqa_score, q.tolist(), k)
+    raises(TypeError, "block_keys", mate.qsa_indexer_mqa_score, q, None)
+    raises(TypeError, "q_idx", mate.qsa_indexer_mqa_score, q.to(torch.int32), k)
+    raises(TypeError, "query_positions", mate.qsa_indexer_mqa_score, q, k, query_positions=torch.zeros(1, 4, dtype=torch.int64))
+    raises(TypeError, "seq_lens_q", mate.qsa_indexer_mqa_score, q, k, seq_lens_q=torch.zeros(1))
+    raises(TypeError, "block_table", mate.qsa_indexer_mqa_score, q, bf16(2, 4, D), block_table=torch.zeros(1, 2, dtype=torch.int64))
+    raises(TypeError, "cu_seqlens_q", mate.qsa_indexer_mqa_score, q[0], k, cu_seqlens_q=torch.tensor([0, 4]))
+    raises(TypeError, "token_to_req", mate.qsa_indexer_mqa_score, q[0], k, token_to_req=torch.zeros(4), num_requests=1)
+    raises(TypeError, "num_requests", mate.qsa_indexer_mqa_score, q[0], k, token_to_req=i32(shape=(4,)), num_requests=1.0)
+    raises(TypeError, "block_size", mate.qsa_indexer_mqa_score, q, k, block_size="4")
+    raises(TypeError, "scale", mate.qsa_indexer_mqa_score, q, k, scale="0.1")
+    raises(TypeError, "row_starts", mate.qsa_mqa_prefill, q[0], k[0], torch.zeros(4, dtype=torch.int64), i32(1, 1, 1, 1))
+    raises(TypeError, "row_ends", mate.qsa_mqa_prefill, q[0], k[0], i32(0, 0, 0, 0), torch.ones(4))
+    raises(TypeError, "page_table", mate.qsa_mqa_decode, q[:, 0], k, torch.zeros(1, 1, dtype=torch.int64), i32(1), 4)
+    raises(TypeError, "context_lens", mate.qsa_mqa_decode, q[:, 0], k, i32(0).view(1, 1), torch.ones(1, dtype=torch.int64), 4)
+    raises(TypeError, "max_model_len", mate.qsa_mqa_decode, q[:, 0], k, i32(0).view(1, 1), i32(1), 4.0)
+    raises(TypeError, "score_scale", mate.qsa_mqa_decode, q[:, 0], k, i32(0).view(1, 1), i32(1), 4, score_scale=[2])
+
+
+def test_scale_errors():
+    q, k = bf16(1, 4, H, D), bf16(1, 1, D)
+    for fn, args in [
+        (mate.qsa_indexer_mqa_score, (q, k)),
+        (mate.qsa_mqa_prefill, (q[0], k[0], i32(0, 0, 0, 0), i32(1, 1, 1, 1))),
+        (mate.qsa_mqa_decode, (q[:, 0], k, i32(0).view(1, 1), i32(1), 4)),
+    ]:
+        raises(ValueError, "scale.*score_scale|score_scale.*scale", fn, *args, scale=0.1, score_scale=10.0, backend="reference")
+        raises(ValueError, "scale", fn, *args, scale=-1.0, backend="reference")
+        raises(ValueError, "score_scale", fn, *args, score_scale=0.0, backend="reference")
+        raises(ValueError, "scale", fn, *args, scale=float("nan"), backend="reference")
+
+
+def test_shape_errors():
+    q, k = bf16(2, 4, H, D), bf16(2, 3, D)
+    raises(ValueError, "q_idx", mate.qsa_indexer_mqa_score, q[0, 0], k)
+    raises(ValueError, "block_keys", mate.qsa_indexer_mqa_score, q, k[0])
+    raises(ValueError, "block_keys", mate.qsa_indexer_mqa_score, q, k[:1])
+    raises(ValueError, "feature dim", mate.qsa_indexer_mqa_score, q, bf16(2, 3, 64))
+    raises(ValueError, "dtype", mate.qsa_indexer_mqa_score, q, k.half())
+    raises(ValueError, "query_positions", mate.qsa_indexer_mqa_score, q, k, query_positions=i32(shape=(2, 5)))
+    raises(ValueError, "seq_lens_q", mate.qsa_indexer_mqa_score, q, k, seq_lens_q=i32(shape=(3,)))
+    raises(ValueError, "num_requests", mate.qsa_indexer_mqa_score, q, k, num_requests=3)
+    raises(ValueError, "cu_seqlens_q", mate.qsa_indexer_mqa_score, q, k, cu_seqlens_q=i32(0, 4, 8))
+    raises(ValueError, "exactly one", mate.qsa_indexer_mqa_score, q[0], k)
+    raises(ValueError, "exactly one", mate.qsa_indexer_mqa_score, q[0], k, cu_seqlens_q=i32(0, 4), token_to_req=i32(shape=(4,)))
+    raises(ValueError, "num_requests", mate.qsa_indexer_mqa_score, q[0], k, token_to_req=i32(shape=(4,)))
+    raises(ValueError, "page_size", mate.qsa_indexer_mqa_score, q, k, page_size=16)
+    raises(ValueError, "page_size", mate.qsa_indexer_mqa_score, q, bf16(5, 16, 1, D), block_table=i32(shape=(2, 2)), page_size=8)
+    raises(ValueError, "block_table", mate.qsa_indexer_mqa_score, q, bf16(5, 16, 1, D), block_table=i32(shape=(3, 2)))
+    raises(ValueError, "block_keys", mate.qsa_indexer_mqa_score, q, bf16(5, 16, 2, D), block_table=i32(shape=(2, 2)))
+    raises(ValueError, "k", mate.qsa_mqa_prefill, q[0], bf16(3, 2, D), i32(shape=(4,)), i32(shape=(4,)))
+    raises(ValueError, "row_starts", mate.qsa_mqa_prefill, q[0], k[0], i32(shape=(5,)), i32(shape=(4,)))
+    raises(ValueError, "q", mate.qsa_mqa_decode, q, k, i32(shape=(2, 1)), i32(shape=(2,)), 4)
+    raises(ValueError, "page_table", mate.qsa_mqa_decode, q[:, 0], bf16(3, 16, D), i32(shape=(3, 1)), i32(shape=(2,)), 4)
+    raises(ValueError, "context_lens", mate.qsa_mqa_decode, q[:, 0], bf16(3, 16, D), i32(shape=(2, 1)), i32(shape=(3,)), 4)
+    raises(ValueError, "max_model_len", mate.qsa_mqa_decode, q[:, 0], bf16(3, 16, D), i32(shape=(2, 1)), i32(shape=(2,)), 0)
+    raises(ValueError, "k_cache", mate.qsa_mqa_decode, q[:, 0], bf16(3, 16, 2, D), i32(shape=(2, 1)), i32(shape=(2,)), 4)
+
+
+def test_native_only_errors():
+    q, k = bf16(2, 4, H, D), bf16(2, 3, D)
+    raises(ValueError, "reference.*qsa_mqa_prefill", mate.qsa_indexer_mqa_score, q[0], k, cu_seqlens_q=i32(0, 2, 4))
+    raises(ValueError, "reference.*qsa_mqa_decode", mate.qsa_indexer_mqa_score, q, bf16(5, 16, 1, D), block_table=i32(shape=(2, 2)))
+    raises(ValueError, "float16", mate.qsa_indexer_mqa_score, q.float(), k.float())
+    raises(ValueError, "4 heads", mate.qsa_indexer_mqa_score, bf16(2, 4, 8, D), k)
+    raises(ValueError, "dim 128", mate.qsa_mqa_prefill, bf16(4, H, 64), bf16(3, 64), i32(shape=(4,)), i32(shape=(4,)))
+    raises(ValueError, "page sizes 8, 16, 32, 64", mate.qsa_mqa_decode, q[:, 0], bf16(3, 12, 1, D), i32(shape=(2, 1)), i32(shape=(2,)), 4)
+
+
+def test_native_layout_rule_message():
+    """The seed's layout rule and its error text, on q and keys of score and prefill."""
+    msg = _checks.LAYOUT_ERROR
+    big = bf16(2, 4, H, 2 * D)
+    raises(ValueError, msg, mate.qsa_indexer_mqa_score, big[..., ::2], bf16(2, 3, D))  # feature stride 2
+    flat = bf16(2 * 4 * H * D + 1)
+    raises(ValueError, msg, mate.qsa_indexer_mqa_score, flat[1:].view(2, 4, H, D), bf16(2, 3, D))  # 2-byte offset
+    keys = bf16(2, 3, D + 4)[..., :D]  # row stride of 132 elements: 264 bytes, not a multiple of 16
+    raises(ValueError, msg, mate.qsa_indexer_mqa_score, bf16(2, 4, H, D), keys)
+    raises(ValueError, msg, mate.qsa_mqa_prefill, bf16(4, H, D), keys[0], i32(shape=(4,)), i32(shape=(4,)))
+    q = bf16(1, 4, H, D).expand(2, 4, H, D)  # stride 0 on an axis of 2
+    raises(ValueError, msg, mate.qsa_indexer_mqa_score, q, bf16(2, 3, D))
+    raises(ValueError, "k_cache", mate.qsa_mqa_decode, bf16(2, H, D), bf16(3, 16, D + 4)[..., :D], i32(shape=(2, 1)), i32(shape=(2,)), 4)
+
+
+def test_layout_rule_accepts_aligned_slices():
+    """Aligned outer slices and size-1 axes with any stride pass the rule."""
+    _checks.vector_layout("x", bf16(3, 8, H, D + 8)[1:, 2:, :, :D])
+    _checks.vector_layout("x", bf16(1, 5, H, D)[:, :, :, :].as_strided((1, 5, H, D), (7, H * D, D, 1)))
+
+
+def test_decode_accepts_broadcast_q_in_reference():
+    q = torch.randn(1, H, 16).expand(3, H, 16)
+    cache = torch.randn(2, 8, 16)
+    out = mate.qsa_mqa_decode(q, cache, i32(shape=(3, 1)), i32(8, 4, 0), 8, backend="reference")
+    assert torch.isinf(out[2]).all() and torch.isfinite(out[0]).all()
