@@ -5,7 +5,16 @@ ValueError for anything unsupported) or backend="reference" (the PyTorch FP32
 oracle, any device).
 """
 
+from mate.qsa.attention import qsa_sparse_attention
 from mate.qsa.indexer import qsa_indexer_mqa_score, qsa_mqa, qsa_mqa_decode, qsa_mqa_prefill
+from mate.qsa.merge import merge_attention_states
 
-__all__ = ["qsa_indexer_mqa_score", "qsa_mqa", "qsa_mqa_decode", "qsa_mqa_prefill"]
+__all__ = [
+    "merge_attention_states",
+    "qsa_indexer_mqa_score",
+    "qsa_mqa",
+    "qsa_mqa_decode",
+    "qsa_mqa_prefill",
+    "qsa_sparse_attention",
+]
 __version__ = "0.1.0"

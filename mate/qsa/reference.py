@@ -69,3 +69,198 @@ def mqa_decode(q, k_cache, page_table, context_lens, max_model_len, scale):
     s = relu_scores(q, keys, scale)
     visible = exists & (torch.arange(max_model_len, device=q.device) < context_lens.long().unsqueeze(-1))
     return torch.where(visible, s, NEG_INF)
+
+
+# ---------------------------------------------------------------- sparse core attention
+
+# Bound on the gathered K/V elements held at once (rows x tokens x kv heads x dim).
+_GATHER_BUDGET = 1 << 25
+
+
+def apply_gate(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """out * sigmoid(gate) in FP32; gate is per head (out.shape[:-1]) or per element (out.shape)."""
+    if gate is None:
+        return out
+    g = torch.sigmoid(gate.float())
+    return out * (g.unsqueeze(-1) if g.dim() == out.dim() - 1 else g)
+
+
+def gather_attention(q, k_sel, v_sel, visible, scale):
+    """Softmax attention of each row over its own gathered keys.
+
+    q [R, Hq, D]; k_sel, v_sel [R, T, Hkv, D] (query head h reads kv head h // (Hq // Hkv));
+    visible [R, T] bool. Returns FP32 out [R, Hq, D] and natural-log lse [R, Hq]; a row
+    with nothing visible gets 0 and -inf. Each visible slot counts once per occurrence.
+    """
+    R, Hq, D = q.shape
+    Hkv = k_sel.shape[2]
+    qg = q.float().reshape(R, Hkv, Hq // Hkv, D)
+    s = torch.einsum("rkgd,rtkd->rkgt", qg, k_sel.float()) * scale
+    vis = visible[:, None, None, :]
+    s = s.masked_fill(~vis, NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(vis, torch.exp(s - lse.unsqueeze(-1)), 0.0)  # all-masked rows: -inf - -inf is NaN, dropped here
+    out = torch.einsum("rkgt,rtkd->rkgd", p, v_sel.float())
+    return out.reshape(R, Hq, D), lse.reshape(R, Hq)
+
+
+def _request_rows(rows, n_req, padded_q, cu_seqlens_q, token_to_req, device):
+    """Per flattened query row: request id (-1: the row belongs to no request), index within its request,
+    and the row count of each request."""
+    if padded_q is not None:
+        B, Q = padded_q
+        req = torch.arange(B, device=device).repeat_interleave(Q)
+        local = torch.arange(Q, device=device).repeat(B)
+        return req, local, torch.full((B,), Q, device=device, dtype=torch.long)
+    r = torch.arange(rows, device=device)
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.long()
+        check_offsets("cu_seqlens_q", cu, rows)
+        req = torch.searchsorted(cu[1:], r, right=True)
+        inside = (r >= cu[0]) & (r < cu[-1])
+        req = torch.where(inside, req, -1)
+        local = r - cu[req.clamp(0, n_req - 1)]
+        return req, local, cu[1:] - cu[:-1]
+    req = token_to_req.long()
+    req = torch.where((req >= 0) & (req < n_req), req, -1)
+    # a row's index within its request is the number of earlier rows of that request
+    sorted_req, order = torch.sort(req, stable=True)
+    first = torch.searchsorted(sorted_req, sorted_req)
+    local = torch.empty_like(r)
+    local[order] = r - first
+    counts = torch.bincount(req[req >= 0], minlength=n_req)[:n_req]
+    return req, local, counts
+
+
+def check_offsets(name: str, cu: torch.Tensor, total: int) -> None:
+    """Reference-only content check of cumulative offsets: nondecreasing, inside [0, total]."""
+    if cu.numel() and (int(cu[0]) < 0 or int(cu[-1]) > total or bool((cu[1:] < cu[:-1]).any())):
+        raise ValueError(f"{name} must be nondecreasing offsets within [0, {total}], got {cu.tolist()}")
+
+
+def sparse_attention(
+    query,
+    key,
+    value,
+    indices,
+    *,
+    physical,
+    n_req,
+    cu_seqlens_q,
+    token_to_req,
+    cu_seqlens_k,
+    seq_lens_q,
+    seq_lens_k,
+    query_positions,
+    block_table,
+    scale,
+):
+    """QSA core attention over per-row token lists, every layout. Returns FP32 (out, lse) of query's shape.
+
+    physical: `indices` [rows, T] are ids into flattened key/value [N, Hkv, D]; an id is
+    used iff 0 <= id < N, with no causal or request logic. Otherwise `indices` are
+    request-local token ids (shape query.shape[:-2] + (T,)); token t of request b is
+    used iff t >= 0, t is inside the request's cache (padded key [B, S]: t < S; varlen
+    key with cu_seqlens_k: t < its length; paged key with block_table: its page is in
+    the table and the pool), t < seq_lens_k[b] (where given), t <= the row's position,
+    and the row is a real row of a request (index < seq_lens_q[b] where given).
+    A row's position is query_positions where given, else bottom-right Sk - Sq + i.
+    """
+    dev = query.device
+    Hq, D = query.shape[-2:]
+    q = query.reshape(-1, Hq, D)
+    R = q.shape[0]
+    idx = indices.reshape(R, indices.shape[-1]).long()
+    T = idx.shape[1]
+    Hkv = key.shape[-2]
+
+    if physical:
+        pool = key.shape[0]
+        exists = (idx >= 0) & (idx < pool)
+        visible = exists
+
+        def gather(rows, ok):
+            i = torch.where(ok, idx[rows], 0)
+            return key[i], value[i]
+
+    else:
+        padded_q = tuple(query.shape[:2]) if query.dim() == 4 else None
+        req, local, nrows = _request_rows(R, n_req, padded_q, cu_seqlens_q, token_to_req, dev)
+        live = req >= 0
+        b = req.clamp_min(0)
+        if block_table is not None:
+            pages, page_size = key.shape[0], key.shape[1]
+            cap = torch.full((n_req,), block_table.shape[1] * page_size, device=dev, dtype=torch.long)
+        elif cu_seqlens_k is not None:
+            cu_k = cu_seqlens_k.long()
+            check_offsets("cu_seqlens_k", cu_k, key.shape[0])
+            cap = cu_k[1:] - cu_k[:-1]
+        else:
+            cap = torch.full((n_req,), key.shape[1], device=dev, dtype=torch.long)
+        sq = seq_lens_q.long() if seq_lens_q is not None else nrows
+        sk = seq_lens_k.long() if seq_lens_k is not None else cap
+        if seq_lens_q is not None:
+            live = live & (local < sq[b])
+        if query_positions is not None:
+            pos = query_positions.reshape(R).long()
+        else:
+            pos = sk[b] - sq[b] + local
+        limit = torch.minimum(cap, sk)[b]  # tokens [0, limit) of the row's request exist
+        visible = live[:, None] & (idx >= 0) & (idx < limit[:, None]) & (idx <= pos[:, None])
+        if block_table is not None:
+            col = torch.div(idx, page_size, rounding_mode="floor").clamp(0, max(block_table.shape[1] - 1, 0))
+            page = block_table.long()[b[:, None], col] if block_table.shape[1] else torch.full_like(idx, -1)
+            visible &= (page >= 0) & (page < pages)
+
+            def gather(rows, ok):
+                p = torch.where(ok, page[rows], 0)
+                slot = torch.where(ok, idx[rows] % page_size, 0)
+                return key[p, slot], value[p, slot]
+
+        elif cu_seqlens_k is not None:
+
+            def gather(rows, ok):
+                i = torch.where(ok, cu_k[b[rows], None] + idx[rows], 0)
+                return key[i], value[i]
+
+        else:
+
+            def gather(rows, ok):
+                t = torch.where(ok, idx[rows], 0)
+                return key[b[rows, None].expand_as(t), t], value[b[rows, None].expand_as(t), t]
+
+    out = torch.zeros(R, Hq, D, dtype=torch.float32, device=dev)
+    lse = torch.full((R, Hq), NEG_INF, dtype=torch.float32, device=dev)
+    step = max(1, _GATHER_BUDGET // max(1, T * Hkv * D))
+    for start in range(0, R, step):
+        rows = torch.arange(start, min(R, start + step), device=dev)
+        ok = visible[rows]
+        if not bool(ok.any()):
+            continue  # also covers an empty pool, which cannot be indexed
+        k_sel, v_sel = gather(rows, ok)
+        out[rows], lse[rows] = gather_attention(q[rows], k_sel, v_sel, ok, scale)
+    return out.reshape(query.shape), lse.reshape(query.shape[:-1])
+
+
+# ---------------------------------------------------------------- SplitKV merge
+
+
+def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor):
+    """Combine split partials [S, ..., D] with their lse [S, ...] into FP32 (out [..., D], lse [...]).
+
+    A split with lse -inf contributes nothing (its partial output is never read into the
+    sum, so it may hold anything); a row whose splits are all -inf gives 0 and -inf.
+    """
+    lse = partial_lse.float()
+    if lse.shape[0] == 0:
+        return (partial_out.new_zeros(partial_out.shape[1:], dtype=torch.float32),
+                lse.new_full(lse.shape[1:], NEG_INF))
+    m = lse.amax(dim=0)
+    live = lse > NEG_INF
+    w = torch.where(live, torch.exp(lse - torch.where(m > NEG_INF, m, 0.0)), 0.0)
+    total = w.sum(dim=0)
+    acc = torch.where(live.unsqueeze(-1), w.unsqueeze(-1) * partial_out.float(), 0.0).sum(dim=0)
+    some = total > 0
+    out = torch.where(some.unsqueeze(-1), acc / torch.where(some, total, 1.0).unsqueeze(-1), 0.0)
+    merged = torch.where(some, m + torch.log(torch.where(some, total, 1.0)), NEG_INF)
+    return out, merged

@@ -1,0 +1,349 @@
+"""QSA sparse core attention: each query row attends to its own list of selected tokens.
+
+All query heads of a row share the row's token list; query head h reads K/V head
+h // (Hq // Hkv). out = softmax(scale * q . k) . v over the row's visible tokens,
+computed in FP32, each occurrence of a duplicated token counting once;
+lse = log-sum-exp (natural log, FP32) of the same scaled scores. A row with no
+visible token gets output 0 and lse -inf. With `gate`, out *= sigmoid(gate) in FP32.
+
+Two ways to name the tokens:
+
+- logical, `token_indices`: request-local token ids (int32, -1 pads, any width),
+  shape query.shape[:-2] + (W,). Token t of request b is used iff t >= 0, it lies in
+  the request's cache, t < seq_lens_k[b] (where given), its page exists (paged
+  K/V), and t <= the row's causal position; padded rows (index >= seq_lens_q[b])
+  give 0 and -inf.
+- physical, `selected_kv_indices`: int32 [rows, W] ids into flattened K/V [N, Hkv, D];
+  an id is used iff 0 <= id < N. No causal filtering, no request or page metadata.
+
+Query layouts: padded [B, Q, Hq, D]; flattened [total_q, Hq, D] with cu_seqlens_q
+(int32 [B + 1]) or token_to_req (int32 [total_q]) and num_requests. K/V layouts
+(key and value alike): padded [B, S, Hkv, D]; paged [pages, page_size, Hkv, D] with
+block_table (int32 [B, max_pages], -1 or ids past the pool are missing pages);
+flattened varlen [total_k, Hkv, D] with cu_seqlens_k (int32 [B + 1]; reference only).
+
+Causal position of a row: query_positions (int32, query.shape[:-2]) where given,
+else bottom-right: row i of a request with Sq rows and Sk keys sits at Sk - Sq + i,
+where Sq = seq_lens_q[b] if given else the request's row count, and Sk =
+seq_lens_k[b] if given else the request's cache capacity (S, its varlen length, or
+max_pages * page_size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mate import _checks as C
+from mate import _dispatch
+from mate.qsa import reference
+
+CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D
+NATIVE_DIM = 256
+MAX_GROUP = 16
+MAX_HINT_BLOCKS = 512
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _attention_input(name: str, x) -> torch.Tensor:
+    C.tensor(name, x, ndim=(3, 4))
+    if _is_fp8(x.dtype):
+        raise ValueError(f"{name} has dtype {x.dtype}: FP8 Q/K/V is not supported by qsa_sparse_attention; pass bfloat16 or float16")
+    C.floating(name, x)
+    return x
+
+
+def _unit_kv_scale(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if float(v) != 1.0:
+        raise ValueError(
+            f"{name} must be 1.0 for non-FP8 K/V (FP8 K/V is not supported, so there is nothing to dequantize), got {v}"
+        )
+
+
+def _compute_dtype(v) -> None:
+    if not isinstance(v, torch.dtype):
+        raise TypeError(f"compute_dtype must be a torch.dtype, got {type(v).__name__}")
+    if _is_fp8(v):
+        raise ValueError(f"compute_dtype {v} is not supported: FP8 compute is not enabled; use torch.bfloat16")
+    if v not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float16, got {v}")
+
+
+def _softmax_scale(scale, softmax_scale, dim: int) -> float:
+    if scale is not None and softmax_scale is not None:
+        raise ValueError("softmax_scale is an alias of scale; pass one of scale or softmax_scale, not both")
+    if softmax_scale is not None:
+        return C.positive_float("softmax_scale", softmax_scale)
+    if scale is not None:
+        return C.positive_float("scale", scale)
+    return dim**-0.5
+
+
+def qsa_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    token_indices: torch.Tensor | None = None,
+    *,
+    block_indices: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    token_to_req: torch.Tensor | None = None,
+    num_requests: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seq_lens_q: torch.Tensor | None = None,
+    seq_lens_k: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    backend: str = "tilelang",
+    warp_specialized: bool = False,
+    assume_compact_blocks: bool = False,
+    out: torch.Tensor | None = None,
+    selected_kv_indices: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    lse: torch.Tensor | None = None,
+):
+    """QSA core attention over a per-row token set (see the module docstring for the semantics).
+
+    Returns the query-shaped output (exactly `out` when given), or (output, lse) with
+    return_lse=True; lse is FP32 of shape query.shape[:-1].
+
+    - block_indices: optional int32 hint, the 4-token blocks behind token_indices,
+      shape token_indices.shape[:-1] + (nb,) with 1 <= nb <= 512 and
+      token_indices.shape[-1] == 4 * nb + 3. Result-neutral; the caller guarantees it
+      matches token_indices. assume_compact_blocks=True (needs block_indices) is the
+      producer's promise that valid block ids form a prefix of each row and are
+      causally visible.
+    - scale / softmax_scale (aliases, not both): positive multiplier, default 1/sqrt(D).
+    - gate: floating, shape query.shape[:-1] (per head) or query.shape (per element).
+    - num_splits (None or positive; 1 disables SplitKV) and warp_specialized choose
+      the native schedule; they do not change the result.
+    - k_scale / v_scale must be 1 (FP8 K/V is not supported); compute_dtype must be
+      bfloat16 (default) or float16; FP8 is not enabled.
+    - selected_kv_indices: int32 [rows, W] physical ids into flattened key/value
+      [N, Hkv, D] with flattened query [rows, Hq, D]. Excludes token_indices,
+      block_indices, request/page/causal metadata and gate. `lse` (FP32 [rows, Hq])
+      is its output buffer, written even when return_lse=False.
+    - out: writable non-overlapping positive-stride view of query's shape, dtype and
+      device; storage around it is untouched. Overlap of out or lse with any input
+      (gate included) is rejected.
+
+    backend="reference" runs the FP32 PyTorch oracle on any device and layout.
+    backend="tilelang" (default) has no kernels yet and raises ValueError.
+    """
+    backend = _dispatch.backend(backend)
+    return_lse = C.flag("return_lse", return_lse)
+    warp_specialized = C.flag("warp_specialized", warp_specialized)
+    assume_compact_blocks = C.flag("assume_compact_blocks", assume_compact_blocks)
+    num_splits = C.positive_int("num_splits", num_splits, allow_none=True)
+    _attention_input("query", query)
+    _attention_input("key", key)
+    _attention_input("value", value)
+    _unit_kv_scale("k_scale", k_scale)
+    _unit_kv_scale("v_scale", v_scale)
+    _compute_dtype(compute_dtype)
+    C.same_dtype(query=query, key=key, value=value)
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    hq, dim = query.shape[-2], query.shape[-1]
+    hkv = key.shape[-2]
+    if key.shape[-1] != dim:
+        raise ValueError(f"key has feature dim {key.shape[-1]} but query has {dim}")
+    if hkv < 1 or hq < 1 or hq % hkv:
+        raise ValueError(f"query heads must be a positive multiple of key heads, got Hq = {hq} and Hkv = {hkv}")
+    mult = _softmax_scale(scale, softmax_scale, dim)
+
+    physical = selected_kv_indices is not None
+    padded_q = query.dim() == 4
+    rows = query.shape[0] if not padded_q else None
+    if physical:
+        logical = dict(token_indices=token_indices, block_indices=block_indices, cu_seqlens_q=cu_seqlens_q,
+                       token_to_req=token_to_req, num_requests=num_requests, cu_seqlens_k=cu_seqlens_k,
+                       seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k, query_positions=query_positions,
+                       block_table=block_table, page_size=page_size, gate=gate)
+        for name, v in logical.items():
+            if v is not None:
+                raise ValueError(
+                    f"{name} cannot be combined with selected_kv_indices: physical ids take no token_indices, "
+                    "block hint, request, page or causal metadata, and no gate"
+                )
+        if assume_compact_blocks:
+            raise ValueError("assume_compact_blocks describes block_indices and cannot be combined with selected_kv_indices")
+        if padded_q:
+            raise ValueError(f"selected_kv_indices needs flattened query [rows, Hq, D], got shape {tuple(query.shape)}")
+        if key.dim() != 3:
+            raise ValueError(
+                f"selected_kv_indices needs flattened key/value [N, Hkv, D], got key shape {tuple(key.shape)} "
+                "(a paged pool [pages, page_size, Hkv, D] flattens to key.flatten(0, 1), ids page * page_size + slot)"
+            )
+        C.int32("selected_kv_indices", selected_kv_indices, ndim=2)
+        if selected_kv_indices.shape[0] != rows:
+            raise ValueError(f"selected_kv_indices must have {rows} rows (one per query row), got shape {tuple(selected_kv_indices.shape)}")
+        indices, n_req = selected_kv_indices, None
+        kv_layout = "physical"
+    else:
+        if lse is not None:
+            raise ValueError("lse= is the output buffer of selected_kv_indices (physical ids); logical calls use return_lse=True")
+        if token_indices is None:
+            raise ValueError("pass token_indices (request-local token ids) or selected_kv_indices (physical ids); got neither")
+        # ---- query rows and requests
+        if padded_q:
+            if cu_seqlens_q is not None or token_to_req is not None:
+                raise ValueError("cu_seqlens_q and token_to_req apply to flattened query [total_q, Hq, D], not padded [B, Q, Hq, D]")
+            n_req = query.shape[0]
+            if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
+                raise ValueError(f"num_requests is {num_requests} but padded query holds {n_req} requests")
+        else:
+            if (cu_seqlens_q is None) == (token_to_req is None):
+                raise ValueError("flattened query [total_q, Hq, D] needs exactly one of cu_seqlens_q or token_to_req")
+            if cu_seqlens_q is not None:
+                C.int32("cu_seqlens_q", cu_seqlens_q, ndim=1)
+                if cu_seqlens_q.shape[0] < 2:
+                    raise ValueError(f"cu_seqlens_q must hold num_requests + 1 >= 2 offsets, got shape {tuple(cu_seqlens_q.shape)}")
+                n_req = cu_seqlens_q.shape[0] - 1
+                if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
+                    raise ValueError(f"num_requests is {num_requests} but cu_seqlens_q holds {n_req} requests")
+            else:
+                C.int32("token_to_req", token_to_req, shape=(rows,))
+                if num_requests is None:
+                    raise ValueError("token_to_req needs num_requests")
+                n_req = C.positive_int("num_requests", num_requests)
+        row_shape = tuple(query.shape[:-2])
+        # ---- indices and the block hint
+        C.int32("token_indices", token_indices, ndim=len(row_shape) + 1)
+        if tuple(token_indices.shape[:-1]) != row_shape:
+            raise ValueError(f"token_indices must have shape {row_shape} + (width,), got {tuple(token_indices.shape)}")
+        width = token_indices.shape[-1]
+        if block_indices is not None:
+            C.int32("block_indices", block_indices, ndim=len(row_shape) + 1)
+            nb = block_indices.shape[-1]
+            if tuple(block_indices.shape[:-1]) != row_shape:
+                raise ValueError(f"block_indices must have shape {row_shape} + (blocks,), got {tuple(block_indices.shape)}")
+            if not 1 <= nb <= MAX_HINT_BLOCKS:
+                raise ValueError(
+                    f"block_indices must hold 1 to {MAX_HINT_BLOCKS} blocks per row, got {nb}; "
+                    "wider selections use token_indices alone"
+                )
+            if width != 4 * nb + 3:
+                raise ValueError(
+                    f"token_indices width must be 4 * block_indices width + 3 = {4 * nb + 3} with the block hint, got {width}; "
+                    "omit block_indices for other widths"
+                )
+        elif assume_compact_blocks:
+            raise ValueError("assume_compact_blocks=True is a promise about block_indices; pass block_indices with it")
+        # ---- K/V layout
+        if block_table is not None and cu_seqlens_k is not None:
+            raise ValueError("pass block_table (paged K/V) or cu_seqlens_k (flattened varlen K/V), not both")
+        if block_table is not None:
+            kv_layout = "paged"
+            if key.dim() != 4:
+                raise ValueError(f"paged key must be [pages, page_size, Hkv, D], got shape {tuple(key.shape)}")
+            C.int32("block_table", block_table, ndim=2)
+            if block_table.shape[0] != n_req:
+                raise ValueError(f"block_table must have one row per request ({n_req}), got shape {tuple(block_table.shape)}")
+            if page_size is not None and C.positive_int("page_size", page_size) != key.shape[1]:
+                raise ValueError(f"page_size is {page_size} but key pages hold {key.shape[1]} tokens")
+            if key.shape[1] == 0:
+                raise ValueError("paged key must have a positive page size, got key.shape[1] = 0")
+        else:
+            if page_size is not None:
+                raise ValueError("page_size applies to paged key/value and needs block_table")
+            if cu_seqlens_k is not None:
+                kv_layout = "varlen"
+                if key.dim() != 3:
+                    raise ValueError(f"with cu_seqlens_k, key must be flattened [total_k, Hkv, D], got shape {tuple(key.shape)}")
+                C.int32("cu_seqlens_k", cu_seqlens_k, shape=(n_req + 1,))
+            else:
+                kv_layout = "padded"
+                if key.dim() != 4 or key.shape[0] != n_req:
+                    raise ValueError(
+                        f"key must be padded [B, S, Hkv, D] with B = {n_req} requests (or paged with block_table, "
+                        f"or flattened with cu_seqlens_k), got shape {tuple(key.shape)}"
+                    )
+        C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
+        C.optional_int32("seq_lens_k", seq_lens_k, shape=(n_req,))
+        C.optional_int32("query_positions", query_positions, shape=row_shape)
+        if gate is not None:
+            C.tensor("gate", gate)
+            C.floating("gate", gate)
+            if tuple(gate.shape) not in (tuple(query.shape[:-1]), tuple(query.shape)):
+                raise ValueError(
+                    f"gate must have shape {tuple(query.shape[:-1])} (per head) or {tuple(query.shape)} (per element), "
+                    f"got {tuple(gate.shape)}"
+                )
+        indices = token_indices
+
+    if out is not None:
+        C.out_buffer("out", out, shape=query.shape, dtype=query.dtype, device=query.device)
+    if lse is not None:
+        C.out_buffer("lse", lse, shape=query.shape[:-1], dtype=torch.float32, device=query.device)
+    inputs = dict(query=query, key=key, value=value, token_indices=token_indices, selected_kv_indices=selected_kv_indices,
+                  block_indices=block_indices, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
+                  cu_seqlens_k=cu_seqlens_k, seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k,
+                  query_positions=query_positions, block_table=block_table, gate=gate)
+    C.same_device(**inputs, out=out, lse=lse)
+    C.no_overlap({"out": out, "lse": lse}, inputs)
+
+    if backend == "tilelang":
+        _native(query, key, kv_layout, num_splits, warp_specialized, compute_dtype)
+
+    res, res_lse = reference.sparse_attention(
+        query, key, value, indices, physical=physical, n_req=n_req, cu_seqlens_q=cu_seqlens_q,
+        token_to_req=token_to_req, cu_seqlens_k=cu_seqlens_k, seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k,
+        query_positions=query_positions, block_table=block_table, scale=mult,
+    )
+    res = reference.apply_gate(res, gate)
+    if out is None:
+        out = res.to(query.dtype)
+    else:
+        out.copy_(res)
+    if lse is not None:
+        lse.copy_(res_lse)
+        res_lse = lse
+    return (out, res_lse) if return_lse else out
+
+
+def _native(query, key, kv_layout, num_splits, warp_specialized, compute_dtype):
+    """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
+    hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
+    if kv_layout == "varlen":
+        raise ValueError("flattened varlen key/value with cu_seqlens_k require backend='reference'; native K/V is padded or paged")
+    C.native_dtype("query", query)
+    if dim != NATIVE_DIM:
+        raise ValueError(f"backend='tilelang' supports head dim {NATIVE_DIM} for query, got {dim}; use backend='reference'")
+    if hq // hkv > MAX_GROUP:
+        raise ValueError(
+            f"backend='tilelang' supports query/key head groups up to {MAX_GROUP}, got Hq / Hkv = {hq} / {hkv} = {hq // hkv}; "
+            "use backend='reference'"
+        )
+    if kv_layout == "padded":
+        if query.dim() != 4:
+            raise ValueError("backend='tilelang' with padded key/value needs padded query [B, Q, Hq, D]; flattened queries need paged K/V")
+        if num_splits not in (None, 1):
+            raise ValueError(f"num_splits={num_splits}: SplitKV needs paged key/value; padded K/V runs with num_splits=1")
+    if warp_specialized and (hq, hkv, dim) != CANONICAL_GEOMETRY:
+        raise ValueError(
+            f"warp_specialized needs the canonical geometry Hq, Hkv, D = {CANONICAL_GEOMETRY}, got {(hq, hkv, dim)}"
+        )
+    if kv_layout == "physical" and (query.dtype != torch.bfloat16 or compute_dtype != torch.bfloat16):
+        raise ValueError(
+            f"selected_kv_indices runs natively on bfloat16 query/key/value with compute_dtype=torch.bfloat16, "
+            f"got {query.dtype} and compute_dtype={compute_dtype}; use backend='reference'"
+        )
+    _dispatch.target_of(query, "query")
+    raise ValueError(
+        "backend='tilelang' has no qsa_sparse_attention kernels yet (they come with the native attention work); "
+        "use backend='reference'"
+    )

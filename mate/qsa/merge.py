@@ -1,0 +1,96 @@
+"""SplitKV merge: combine per-split partial attention outputs and their LSEs.
+
+Split s of a row holds the attention output o_s over its share of the keys and the
+natural-log LSE l_s of its scaled scores. The merged row is
+
+    lse = log(sum_s exp(l_s)),   out = sum_s exp(l_s - lse) * o_s,
+
+computed in FP32. A split with l_s = -inf (no visible key) contributes nothing and
+its o_s is never read into the sum (it may hold anything, NaN included); a row
+whose splits are all -inf gives output 0 and lse -inf. An optional gate multiplies
+the merged output by sigmoid(gate) in FP32; the lse is not gated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mate import _checks as C
+from mate import _dispatch
+from mate.qsa import reference
+
+
+def merge_attention_states(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    *,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "tilelang",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge SplitKV partials: partial_out [splits, rows, heads, D], partial_lse FP32 [splits, rows, heads].
+
+    Returns (out [rows, heads, D], lse FP32 [rows, heads]); they are exactly `out` and
+    `lse` when those buffers are given (written in place, storage around them
+    untouched). The output dtype is out's, else out_dtype, else partial_out's.
+    gate: floating, [rows, heads] (per head) or [rows, heads, D] (per element).
+    Outputs must not overlap each other or any input. splits may be 0 (every row empty).
+
+    backend="reference" runs the FP32 PyTorch oracle on any device.
+    backend="tilelang" (default) has no merge kernel yet and raises ValueError.
+    """
+    backend = _dispatch.backend(backend)
+    C.tensor("partial_out", partial_out, ndim=4)
+    C.floating("partial_out", partial_out)
+    C.tensor("partial_lse", partial_lse, ndim=3)
+    if partial_lse.dtype != torch.float32:
+        raise ValueError(f"partial_lse must be float32, got {partial_lse.dtype}")
+    if tuple(partial_lse.shape) != tuple(partial_out.shape[:-1]):
+        raise ValueError(
+            f"partial_lse must have shape {tuple(partial_out.shape[:-1])} (partial_out's [splits, rows, heads]), "
+            f"got {tuple(partial_lse.shape)}"
+        )
+    row_shape = tuple(partial_out.shape[1:-1])
+    out_shape = tuple(partial_out.shape[1:])
+    if gate is not None:
+        C.tensor("gate", gate)
+        C.floating("gate", gate)
+        if tuple(gate.shape) not in (row_shape, out_shape):
+            raise ValueError(f"gate must have shape {row_shape} (per head) or {out_shape} (per element), got {tuple(gate.shape)}")
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+        if not out_dtype.is_floating_point:
+            raise ValueError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    if out is not None:
+        C.tensor("out", out)
+        C.floating("out", out)
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        C.out_buffer("out", out, shape=out_shape, dtype=out.dtype, device=partial_out.device)
+    if lse is not None:
+        C.out_buffer("lse", lse, shape=row_shape, dtype=torch.float32, device=partial_out.device)
+    C.same_device(partial_out=partial_out, partial_lse=partial_lse, gate=gate, out=out, lse=lse)
+    C.no_overlap({"out": out, "lse": lse}, {"partial_out": partial_out, "partial_lse": partial_lse, "gate": gate})
+
+    if backend == "tilelang":
+        _dispatch.target_of(partial_out, "partial_out")
+        raise ValueError(
+            "backend='tilelang' has no merge_attention_states kernel yet (it comes with the native attention work); "
+            "use backend='reference'"
+        )
+
+    res, res_lse = reference.merge_states(partial_out, partial_lse)
+    res = reference.apply_gate(res, gate)
+    dtype = out.dtype if out is not None else (out_dtype or partial_out.dtype)
+    if out is None:
+        out = res.to(dtype)
+    else:
+        out.copy_(res)
+    if lse is None:
+        lse = res_lse
+    else:
+        lse.copy_(res_lse)
+    return out, lse
