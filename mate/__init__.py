@@ -5,12 +5,14 @@ ValueError for anything unsupported) or backend="reference" (the PyTorch FP32
 oracle, any device).
 """
 
+from mate.nsa.selection import nsa_selection_attention
 from mate.qsa.attention import qsa_sparse_attention
 from mate.qsa.indexer import qsa_indexer_mqa_score, qsa_mqa, qsa_mqa_decode, qsa_mqa_prefill
 from mate.qsa.merge import merge_attention_states
 
 __all__ = [
     "merge_attention_states",
+    "nsa_selection_attention",
     "qsa_indexer_mqa_score",
     "qsa_mqa",
     "qsa_mqa_decode",

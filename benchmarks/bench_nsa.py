@@ -1,0 +1,255 @@
+"""NSA selection forward benchmark: native TileLang vs dense causal SDPA (cuDNN and flash backends).
+
+Indices are drawn as the public NSA benchmarks draw them: for each query and
+KV group, T distinct random blocks among the causally visible ones (blocks
+whose first token is at or before the query), sorted, -1 where fewer exist.
+
+Shapes (issue 5): B=1, M=N=L, D=128, T=16, block_size=64, BF16, for
+(H, G) in (128, 8), (64, 8), (64, 4) and L in 8192, 16384, 32768, 65536,
+131072. The seed's configuration is H=128, G=8, L=65536.
+
+Reported per shape: the native time (median of triton.testing.do_bench), the
+dense causal time of torch.nn.functional.scaled_dot_product_attention
+(is_causal=True, enable_gqa=True) under the cuDNN and the flash backends
+(median of a few timed calls: they are long), the speedups, and the gathered
+bytes per second: every used slot loads a K and a V block of
+block_size x D elements, so gathered bytes = used slots x 2 x block_size x D
+x 2 bytes. Correctness is checked against the reference on the last 64
+queries of every shape.
+
+--probe adds, at the seed shape, runs that locate the time: T = 1, 4, 16
+(the slope is the cost of one gathered block, the intercept the per-query
+cost), "hot" indices that keep every query on the same 16 blocks (all L2/L1
+hits), and other tile configurations (num_stages / CTAs per SM).
+
+  python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+import mate
+from mate import _dispatch
+
+D, T_SEL, BS = 128, 16, 64
+DTYPE = torch.bfloat16
+
+
+def median_ms(fn, rep=200):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def few_ms(fn, reps=3):
+    """Median of a few event-timed calls after one warm-up (for the long dense baselines)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def draw_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
+    """T distinct random visible blocks per (query, group), sorted, -1 pads; built on the GPU in chunks."""
+    n_blocks = -(-N // bs)
+    idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
+    blocks = torch.arange(n_blocks, device="cuda")
+    for m0 in range(0, M, chunk):
+        m1 = min(M, m0 + chunk)
+        pos = N - M + torch.arange(m0, m1, device="cuda")
+        visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)  # [mc, n_blocks]
+        if hot:
+            visible &= blocks.view(1, -1) < T
+        r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
+        r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
+        val, sel = r.topk(min(T, n_blocks), dim=-1)
+        sel = torch.where(val >= 0, sel, n_blocks + 1).sort(-1).values
+        sel = torch.where(sel > n_blocks, -1, sel)
+        if T > n_blocks:
+            sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], T - n_blocks), -1)], -1)
+        idx[:, m0:m1] = sel.to(torch.int32)
+    return idx
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_tail(q, k, v, idx, out, lse, tail=64):
+    """Native rows against the reference on the last `tail` queries (same positions: the rows end at N)."""
+    ro, rl = mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=BS, backend="reference")
+    return max(rel_err(out[:, -tail:], ro), rel_err(lse[:, :, -tail:], rl))
+
+
+def dense_ms(q, k, v, backend_name):
+    """Dense causal SDPA time in ms, or an error string; K/V expanded to H heads only if GQA is refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+    qd = q.transpose(1, 2).contiguous()
+    kd, vd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    note = "enable_gqa=True"
+    try:
+        with sdpa_kernel([backend]):
+            fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)  # noqa: E731
+            t = few_ms(fn)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0][:160]
+        rep = qd.shape[1] // kd.shape[1]
+        kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
+        note = f"K/V expanded to H heads (enable_gqa refused: {first})"
+        try:
+            with sdpa_kernel([backend]):
+                fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa: E731
+                t = few_ms(fn)
+        except RuntimeError as e2:
+            return None, f"failed: {str(e2).splitlines()[0][:200]}"
+    del qd, kd, vd
+    torch.cuda.empty_cache()
+    return t, note
+
+
+def run_shape(L, H, G, T=T_SEL, hot=False, dense=True):
+    B = 1
+    q = torch.randn(B, L, H, D, device="cuda").to(DTYPE)
+    k = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
+    v = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
+    idx = draw_indices(B, L, L, G, T, BS, hot=hot)
+    used = int((idx >= 0).sum())
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, L, device="cuda")
+    call = lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=BS, out=out, lse=lse)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    err = check_tail(q, k, v, idx, out, lse)
+    ms = median_ms(call)
+    gathered = used * 2 * BS * D * q.element_size()
+    compulsory = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size() + idx.numel() * 4 + lse.numel() * 4
+    row = dict(L=L, H=H, G=G, group_heads=H // G, T=T, hot=hot, ms=ms, rel_err=err, used_slots=used,
+               gathered_GB=gathered / 1e9, gathered_GBps=gathered / ms / 1e6, compulsory_GB=compulsory / 1e9,
+               per_slot_ns=ms * 1e6 / (used / 1), dense_ms={}, dense_note={}, speedup={})
+    if dense:
+        for name in ("cudnn", "flash"):
+            t, note = dense_ms(q, k, v, name)
+            row["dense_ms"][name] = t
+            row["dense_note"][name] = note
+            row["speedup"][name] = None if t is None else t / ms
+    del q, k, v, idx, out, lse
+    torch.cuda.empty_cache()
+    print("row", json.dumps(row), flush=True)
+    return row
+
+
+def tile_variants(L, H, G, variants):
+    """Time other tile configs of the seed specialization through a patched copy of configs/sm90.yaml."""
+    base = yaml.safe_load((_dispatch.config_dir() / "sm90.yaml").read_text())
+    key = f"dtype=bfloat16,dim={D},block_size={BS}"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tiles in variants:
+            cfg = {s: dict(e) for s, e in base.items()}
+            cfg["nsa_selection"][key] = dict(tiles)
+            (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
+            os.environ["MATE_CONFIG_DIR"] = tmp
+            _dispatch.load_config.cache_clear()
+            try:
+                r = run_shape(L, H, G, dense=False)
+                rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
+            except Exception as e:  # a failing candidate is reported, never chosen
+                rows.append(dict(tiles=tiles, error=repr(e)[:300]))
+            print("variant", json.dumps(rows[-1]), flush=True)
+    os.environ.pop("MATE_CONFIG_DIR", None)
+    _dispatch.load_config.cache_clear()
+    return rows
+
+
+VARIANTS = [
+    {"head_tile": 16, "threads": 128, "num_stages": 3, "min_blocks": 2},
+    {"head_tile": 16, "threads": 128, "num_stages": 4, "min_blocks": 1},
+    {"head_tile": 16, "threads": 128, "num_stages": 2, "min_blocks": 2},
+]
+
+
+def copy_tbps():
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), rep=100)
+    return 2 * x.numel() / ms / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--heads", nargs="*", default=["128:8", "64:8", "64:4"], help="H:G pairs")
+    ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    # The device copy of the tree may have no .git: MATE_COMMIT names the commit the run was made from.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("MATE_COMMIT") or git.stdout.strip() or None
+    status = subprocess.run(["git", "status", "--porcelain", "--", "mate/nsa", "configs"], capture_output=True, text=True)
+    dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    res = dict(
+        gpu=torch.cuda.get_device_name(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit,
+        nsa_files_modified_since_commit=dirty,
+        torch=torch.__version__,
+        cudnn=torch.backends.cudnn.version(),
+        command="python benchmarks/bench_nsa.py " + " ".join(
+            [f"--lengths {' '.join(map(str, a.lengths))}", f"--heads {' '.join(a.heads)}"] + (["--probe"] if a.probe else [])
+            + ([f"--out {a.out}"] if a.out else [])),
+        setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices="T distinct random visible blocks, sorted, -1 pads",
+                   tiles=_dispatch.tiles("nsa_selection", {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")),
+        copy_TBps=copy_tbps(),
+        rows=[],
+    )
+    for hg in a.heads:
+        H, G = map(int, hg.split(":"))
+        for L in a.lengths:
+            res["rows"].append(run_shape(L, H, G))
+    if a.probe:
+        probe = []
+        for T in (1, 4):
+            probe.append(run_shape(65536, 128, 8, T=T, dense=False))
+        probe.append(run_shape(65536, 128, 8, hot=True, dense=False))
+        res["probe"] = probe
+        res["tile_variants"] = tile_variants(65536, 128, 8, VARIANTS)
+    out = a.out or f"benchmarks/results/nsa_selection_{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(f"\nGPU {res['gpu']}  copy {res['copy_TBps']:.2f} TB/s  commit {commit}  -> {out}")
+    print(f"{'H':>4} {'G':>2} {'L':>7} {'mate ms':>9} {'cuDNN ms':>9} {'flash ms':>9} {'x cuDNN':>8} {'x flash':>8} {'GB/s gath':>10} {'err':>8}")
+    for r in res["rows"]:
+        c, f = r["dense_ms"].get("cudnn"), r["dense_ms"].get("flash")
+        sc, sf = r["speedup"].get("cudnn"), r["speedup"].get("flash")
+        fmt = lambda x, p="9.2f": ("-" if x is None else format(x, p))  # noqa: E731
+        print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>9.3f} {fmt(c)} {fmt(f)} {fmt(sc, '8.1f')} {fmt(sf, '8.1f')} "
+              f"{r['gathered_GBps']:>10.0f} {r['rel_err']:>8.1e}")
+    for r in res.get("probe", []):
+        print(f"probe T={r['T']} hot={r['hot']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
+    for r in res.get("tile_variants", []):
+        print("variant", r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""DeepSeek NSA (Native Sparse Attention) stages."""

@@ -1,0 +1,1 @@
+"""TileLang programs of the NSA stages."""

@@ -1,0 +1,167 @@
+"""TileLang program of the NSA selection attention forward.
+
+One CTA per (query m, KV group g, batch b): the grid's x axis is the query, so
+the CTAs in flight at a time read the K/V blocks of one group, which fit in L2.
+
+Orientation ("keys as M"): a group has only 1..16 query heads, too few rows for
+Hopper's wgmma (M is 64 per warpgroup), so the selected keys are the MMA's M
+operand and the group's heads (zero-padded to `head_tile`) its N operand:
+
+    S^T [64 keys, heads]  = K_tile [64, D] . Q^T           (wgmma m64nHk16)
+    O^T [D, heads]       += V_tile^T [D, 64] . P^T [64, heads]  (wgmma, V read M-major)
+
+so no MMA row is wasted on padding heads beyond `head_tile`. The online
+softmax runs down the key axis in FP32 (exp2 with the scale folded in); the
+per-thread row sums are reduced once at the end.
+
+Before the pipeline, the CTA compacts its row of block_indices into a shared
+list of the entries that are used: inside the first `block_counts` slots,
+>= 0, and with at least the block's first token at or before the query's
+position (bottom-right aligned: N - M + m). Duplicates stay, once per slot.
+Skipped entries are never read. The pipelined loop then walks that list: a
+64-key tile is one selected block (block_size 64) or two (block_size 32; an
+odd last block is paired with a masked repeat of a valid block), loaded by TMA
+(zero fill past N) by an auto warp-specialized producer.
+"""
+
+import tilelang.language as T
+
+NEG_INF = -T.infinity("float32")
+LOG2E = 1.4426950408889634
+TILE_KEYS = 64  # wgmma's M per warpgroup
+MAX_SLOTS = 256  # capacity of the compacted list: the native backend takes T <= MAX_SLOTS
+
+
+def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
+    assert TILE_KEYS % block_size == 0, "block_size must divide 64"
+    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
+    per_tile = TILE_KEYS // block_size
+    B, M, N, H, G, TT = T.dynamic("B M N H G TT")
+    (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
+        "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
+    )
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((B, M, H, dim), (sqb, sqm, sqh, 1), dtype),
+        K: T.StridedTensor((B, N, G, dim), (skb, skn, skg, 1), dtype),
+        V: T.StridedTensor((B, N, G, dim), (svb, svn, svg, 1), dtype),
+        BI: T.StridedTensor((B, M, G, TT), (sib, sim, sig, sit), "int32"),
+        BC: T.StridedTensor((B, M, G), (scb, scm, scg), "int32"),
+        O: T.StridedTensor((B, M, H, dim), (sob, som, soh, 1), dtype),
+        LSE: T.StridedTensor((B, H, M), (slb, slh, slm), "float32"),
+        scale: T.float32,
+        group_heads: T.int32,
+        use_counts: T.int32,
+    ):
+        with T.Kernel(M, G, B, threads=threads) as (bm, bg, bb):
+            # Several CTAs per multiprocessor keep more gathered blocks in flight than one CTA's
+            # pipeline can: cap registers for that instead of the producer/consumer reallocation.
+            T.no_set_max_nreg()
+            T.annotate_min_blocks_per_sm(min_blocks)
+            Qs = T.alloc_shared((head_tile, dim), dtype)
+            Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
+            Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
+            Ps = T.alloc_shared((TILE_KEYS, head_tile), dtype)
+            Os = T.alloc_shared((head_tile, dim), dtype)
+            # Static shared memory: never aliased with the dynamic pool (reduction workspaces),
+            # which matters because the producer and consumer warps read it at different times.
+            flags = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
+            entries = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
+            blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
+            used = T.alloc_shared((1,), "int32", scope="shared")
+            S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
+            rowsum = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
+            P = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
+            acc = T.alloc_fragment((dim, head_tile), "float32")
+            m_cur = T.alloc_fragment((head_tile,), "float32")
+            m_prev = T.alloc_fragment((head_tile,), "float32")
+            alpha = T.alloc_fragment((head_tile,), "float32")
+            l_sum = T.alloc_fragment((head_tile,), "float32")
+            # The wrapper checks the layout rule on Q and O; telling the compiler gives 16-byte accesses.
+            T.assume(sqb % 8 == 0)
+            T.assume(sqm % 8 == 0)
+            T.assume(sqh % 8 == 0)
+            T.assume(sob % 8 == 0)
+            T.assume(som % 8 == 0)
+            T.assume(soh % 8 == 0)
+
+            pos = N - M + bm  # bottom-right aligned causal position of this query
+            last_block = T.if_then_else(pos >= 0, pos // block_size, -1)  # blocks <= this have a visible token
+            slots = T.min(T.if_then_else(use_counts != 0, T.max(BC[bb, bm, bg], 0), TT), TT)
+            h0 = bg * group_heads
+            scale_log2 = scale * LOG2E
+
+            # Q first, so its loads are in flight with the index loads. Heads past the group
+            # (padding up to head_tile) are zero rows, never stored.
+            for h, d in T.Parallel(head_tile, dim):
+                Qs[h, d] = T.if_then_else(h < group_heads, Q[bb, bm, h0 + h, d], T.cast(0, dtype))
+            # Compact the used entries of this row, in slot order, into `blocks`.
+            for t in T.Parallel(MAX_SLOTS):
+                e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
+                entries[t] = e
+                flags[t] = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
+            for t in T.Parallel(MAX_SLOTS):
+                rank = T.alloc_var("int32")
+                rank = 0
+                for u in T.serial(T.min(t, slots)):
+                    rank += flags[u]
+                if flags[t] != 0:
+                    blocks[rank] = entries[t]
+                if t == MAX_SLOTS - 1:
+                    used[0] = rank + flags[t]
+
+            n_used = used[0]
+            T.fill(acc, 0)
+            T.fill(rowsum, 0)
+            T.fill(m_cur, NEG_INF)
+            for it in T.Pipelined(T.ceildiv(n_used, per_tile), num_stages=num_stages):
+                if per_tile == 1:
+                    n0 = blocks[it] * block_size
+                    T.copy(K[bb, n0 : n0 + block_size, bg, :], Ks)
+                    T.copy(V[bb, n0 : n0 + block_size, bg, :], Vs)
+                else:
+                    # Two blocks per tile; an odd last block pairs with a masked repeat of a valid one.
+                    # Each copy stays inside one 64-column swizzle panel of the tile (a TMA box each).
+                    n0 = blocks[it * 2] * block_size
+                    n1 = blocks[T.min(it * 2 + 1, n_used - 1)] * block_size
+                    T.copy(K[bb, n0 : n0 + block_size, bg, 0:64], Ks[0:block_size, 0:64])
+                    T.copy(K[bb, n1 : n1 + block_size, bg, 0:64], Ks[block_size:TILE_KEYS, 0:64])
+                    T.copy(V[bb, n0 : n0 + block_size, bg, 0:64], Vs[0:block_size, 0:64])
+                    T.copy(V[bb, n1 : n1 + block_size, bg, 0:64], Vs[block_size:TILE_KEYS, 0:64])
+                    if dim == 128:
+                        T.copy(K[bb, n0 : n0 + block_size, bg, 64:128], Ks[0:block_size, 64:128])
+                        T.copy(K[bb, n1 : n1 + block_size, bg, 64:128], Ks[block_size:TILE_KEYS, 64:128])
+                        T.copy(V[bb, n0 : n0 + block_size, bg, 64:128], Vs[0:block_size, 64:128])
+                        T.copy(V[bb, n1 : n1 + block_size, bg, 64:128], Vs[block_size:TILE_KEYS, 64:128])
+
+                T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
+                for k, h in T.Parallel(TILE_KEYS, head_tile):
+                    slot = it * per_tile + k // block_size
+                    n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+                    S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
+                T.copy(m_cur, m_prev)
+                T.reduce_max(S, m_cur, dim=0, clear=False, batch=head_tile // 4)
+                for h in T.Parallel(head_tile):
+                    alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
+                for k, h in T.Parallel(TILE_KEYS, head_tile):
+                    S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2)
+                    rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
+                T.copy(S, P)
+                T.copy(P, Ps)
+                for d, h in T.Parallel(dim, head_tile):
+                    acc[d, h] *= alpha[h]
+                T.gemm(Vs, Ps, acc, transpose_A=True)
+
+            T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
+            # Nothing visible: l_sum is 0, the output 0 and the LSE -inf.
+            for d, h in T.Parallel(dim, head_tile):
+                Os[h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+            for h, d in T.Parallel(head_tile, dim):
+                if h < group_heads:
+                    O[bb, bm, h0 + h, d] = Os[h, d]
+            for h in T.Parallel(head_tile):
+                if h < group_heads:
+                    LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+
+    return main
