@@ -19,8 +19,11 @@ queries of every shape.
 
 --probe adds, at the seed shape, runs that locate the time: T = 1, 4, 16
 (the slope is the cost of one gathered block, the intercept the per-query
-cost), "hot" indices that keep every query on the same 16 blocks (all L2/L1
-hits), and other tile configurations (num_stages / CTAs per SM).
+cost), "hot" indices that keep every query on the same 16 blocks, D = 64
+(half the bytes, the same MMA and softmax steps), other tile configurations
+(num_stages / CTAs per SM), and a plain Triton kernel that gathers random
+32 KB tiles from an L2-resident pool with no attention math (the gather's
+ceiling on this GPU).
 
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
 """
@@ -127,7 +130,7 @@ def dense_ms(q, k, v, backend_name):
     return t, note
 
 
-def run_shape(L, H, G, T=T_SEL, hot=False, dense=True):
+def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
     B = 1
     q = torch.randn(B, L, H, D, device="cuda").to(DTYPE)
     k = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
@@ -143,7 +146,7 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True):
     ms = median_ms(call)
     gathered = used * 2 * BS * D * q.element_size()
     compulsory = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size() + idx.numel() * 4 + lse.numel() * 4
-    row = dict(L=L, H=H, G=G, group_heads=H // G, T=T, hot=hot, ms=ms, rel_err=err, used_slots=used,
+    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, hot=hot, ms=ms, rel_err=err, used_slots=used,
                gathered_GB=gathered / 1e9, gathered_GBps=gathered / ms / 1e6, compulsory_GB=compulsory / 1e9,
                per_slot_ns=ms * 1e6 / (used / 1), dense_ms={}, dense_note={}, speedup={})
     if dense:
@@ -169,7 +172,7 @@ def tile_variants(L, H, G, variants):
             cfg["nsa_selection"][key] = dict(tiles)
             (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
             os.environ["MATE_CONFIG_DIR"] = tmp
-            _dispatch.load_config.cache_clear()
+            _dispatch.clear_caches()
             try:
                 r = run_shape(L, H, G, dense=False)
                 rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
@@ -177,15 +180,49 @@ def tile_variants(L, H, G, variants):
                 rows.append(dict(tiles=tiles, error=repr(e)[:300]))
             print("variant", json.dumps(rows[-1]), flush=True)
     os.environ.pop("MATE_CONFIG_DIR", None)
-    _dispatch.load_config.cache_clear()
+    _dispatch.clear_caches()
     return rows
 
 
 VARIANTS = [
+    {"head_tile": 16, "threads": 128, "num_stages": 1, "min_blocks": 4},
     {"head_tile": 16, "threads": 128, "num_stages": 3, "min_blocks": 2},
-    {"head_tile": 16, "threads": 128, "num_stages": 4, "min_blocks": 1},
-    {"head_tile": 16, "threads": 128, "num_stages": 2, "min_blocks": 2},
 ]
+
+
+def l2_gather_probe(tiles=1024, T=16, programs=524288):
+    """The rate a plain Triton kernel gathers random 32 KB tiles (a K and a V block) from an L2-resident pool.
+
+    Same bytes as the seed shape (programs x T tiles of 128 x 128 BF16), no attention math: a ceiling
+    for the gather itself, for several warps / pipeline depths.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_sum(src, idx, out, T: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        for t in range(T):
+            j = tl.load(idx + pid * T + t).to(tl.int64)
+            acc += tl.load(src + j * (ROWS * COLS) + offs).to(tl.float32)
+        tl.store(out + pid, tl.sum(acc))
+
+    src = torch.randn(tiles * 128 * 128, device="cuda").to(DTYPE)
+    idx = torch.randint(0, tiles, (programs * T,), device="cuda", dtype=torch.int32)
+    out = torch.empty(programs, device="cuda")
+    nbytes = programs * T * 128 * 128 * 2
+    rows = []
+    for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
+        try:
+            fn = lambda: gather_sum[(programs,)](src, idx, out, T, 128, 128, num_warps=warps, num_stages=stages)  # noqa: E731
+            ms = median_ms(fn, rep=100)
+            rows.append(dict(num_warps=warps, num_stages=stages, ms=ms, GBps=nbytes / ms / 1e6))
+        except Exception as e:
+            rows.append(dict(num_warps=warps, num_stages=stages, error=repr(e)[:200]))
+        print("l2probe", json.dumps(rows[-1]), flush=True)
+    return dict(pool_MB=src.numel() * 2 / 1e6, tile_KB=32, per_program_tiles=T, programs=programs, rows=rows)
 
 
 def copy_tbps():
@@ -232,7 +269,12 @@ def main():
         for T in (1, 4):
             probe.append(run_shape(65536, 128, 8, T=T, dense=False))
         probe.append(run_shape(65536, 128, 8, hot=True, dense=False))
+        probe.append(run_shape(65536, 128, 8, D=64, dense=False))
         res["probe"] = probe
+        try:
+            res["l2_gather_probe"] = l2_gather_probe()
+        except Exception as e:  # the probe is context, never a reason to lose the table
+            res["l2_gather_probe"] = dict(error=repr(e)[:300])
         res["tile_variants"] = tile_variants(65536, 128, 8, VARIANTS)
     out = a.out or f"benchmarks/results/nsa_selection_{torch.cuda.get_device_name().replace(' ', '_')}.json"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +288,9 @@ def main():
         print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>9.3f} {fmt(c)} {fmt(f)} {fmt(sc, '8.1f')} {fmt(sf, '8.1f')} "
               f"{r['gathered_GBps']:>10.0f} {r['rel_err']:>8.1e}")
     for r in res.get("probe", []):
-        print(f"probe T={r['T']} hot={r['hot']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
+        print(f"probe T={r['T']} D={r['D']} hot={r['hot']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
+    for r in res.get("l2_gather_probe", {}).get("rows", []):
+        print("triton L2 gather", r)
     for r in res.get("tile_variants", []):
         print("variant", r)
 

@@ -208,7 +208,7 @@ def test_errors(change, exc, match, backend):
     [
         (dict(dtype=torch.float32), "supports bfloat16 and float16 q"),
         (dict(D=96), "head dim 64 or 128"),
-        (dict(T=257), "at most 256 selected blocks"),
+        (dict(T=129), "at most 128 selected blocks"),
     ],
 )
 def test_native_rejects_unsupported(kw, match):

@@ -53,7 +53,7 @@ def nsa_selection_attention(
     when given, are written in place and returned as given.
 
     backend="tilelang" (native, CUDA on sm90): FP16/BF16, D 64 or 128,
-    block_size 32 or 64, H/G from 1 to 16, T <= 256; q, k, v and out follow
+    block_size 32 or 64, H/G from 1 to 16, T <= 128; q, k, v and out follow
     the vector-load layout rule (unit feature stride, 16-byte aligned rows).
     backend="reference": the FP32 PyTorch oracle, any device, dtype, D and
     block_size.
