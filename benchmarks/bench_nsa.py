@@ -161,6 +161,14 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
     return row
 
 
+def reset_configs():
+    """Make the next call read the config files again (and compile for new tile values)."""
+    if hasattr(_dispatch, "clear_caches"):
+        _dispatch.clear_caches()
+    else:
+        _dispatch.load_config.cache_clear()
+
+
 def tile_variants(L, H, G, variants):
     """Time other tile configs of the seed specialization through a patched copy of configs/sm90.yaml."""
     base = yaml.safe_load((_dispatch.config_dir() / "sm90.yaml").read_text())
@@ -172,15 +180,17 @@ def tile_variants(L, H, G, variants):
             cfg["nsa_selection"][key] = dict(tiles)
             (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
             os.environ["MATE_CONFIG_DIR"] = tmp
-            _dispatch.clear_caches()
+            reset_configs()
             try:
                 r = run_shape(L, H, G, dense=False)
+                used = _dispatch.tiles("nsa_selection", {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")
+                assert used == tiles, f"config not picked up: {used}"
                 rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
             except Exception as e:  # a failing candidate is reported, never chosen
                 rows.append(dict(tiles=tiles, error=repr(e)[:300]))
             print("variant", json.dumps(rows[-1]), flush=True)
     os.environ.pop("MATE_CONFIG_DIR", None)
-    _dispatch.clear_caches()
+    reset_configs()
     return rows
 
 
