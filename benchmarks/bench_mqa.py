@@ -156,22 +156,19 @@ SWEEP = {
         {"block_rows": 64, "block_keys": 128, "threads": 128, "num_stages": 2},
         {"block_rows": 64, "block_keys": 256, "threads": 128, "num_stages": 2},
         {"block_rows": 128, "block_keys": 128, "threads": 256, "num_stages": 2},
-        {"block_rows": 128, "block_keys": 64, "threads": 256, "num_stages": 3},
         {"block_rows": 64, "block_keys": 64, "threads": 128, "num_stages": 3},
     ],
     "mqa_decode": [
         {"block_keys": 64, "threads": 128},
-        {"block_keys": 128, "threads": 128},
         {"block_keys": 128, "threads": 256},
-        {"block_keys": 256, "threads": 256},
-        {"block_keys": 256, "threads": 128},
+        {"block_keys": 64, "threads": 64},
     ],
 }
 
 
 def sweep(dtype):
     base = yaml.safe_load((_dispatch.config_dir() / "sm90.yaml").read_text())
-    key_of = {"mqa_logits": f"dtype={dtype_name(dtype)}", "mqa_decode": f"dtype={dtype_name(dtype)},page_size=16"}
+    key_of = {"mqa_logits": f"dtype={dtype_name(dtype)},even_keys=1", "mqa_decode": f"dtype={dtype_name(dtype)},page_size=16"}
     cases = {"mqa_logits": [prefill_case(dtype)], "mqa_decode": [decode_case(dtype, 1), decode_case(dtype, 64)]}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +178,7 @@ def sweep(dtype):
                 cfg[stage][key_of[stage]] = tiles
                 (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
                 os.environ["MATE_CONFIG_DIR"] = tmp
-                _dispatch.load_config.cache_clear()
+                _dispatch.clear_caches()
                 for case in cases[stage]:
                     try:
                         r = run_case(case, with_reference=False)
@@ -191,7 +188,7 @@ def sweep(dtype):
                         rows.append(dict(stage=stage, tiles=tiles, case=case["name"], error=repr(e)[:200]))
                     print("sweep", rows[-1], flush=True)
     os.environ.pop("MATE_CONFIG_DIR", None)
-    _dispatch.load_config.cache_clear()
+    _dispatch.clear_caches()
     return rows
 
 

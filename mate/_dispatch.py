@@ -130,19 +130,25 @@ def load_config(target: str) -> dict:
         return validate_config(yaml.safe_load(f) or {}, path)
 
 
-def supported_targets() -> list[str]:
-    return [t for t in TARGETS if (config_dir() / f"{t}.yaml").is_file()]
+@functools.cache
+def supported_targets() -> tuple[str, ...]:
+    return tuple(t for t in TARGETS if (config_dir() / f"{t}.yaml").is_file())
 
 
 def tiles(stage: str, spec: dict, target: str) -> dict:
+    return dict(_tiles(stage, tuple(spec.items()), target))
+
+
+@functools.cache
+def _tiles(stage: str, spec_items: tuple, target: str) -> tuple:
     entries = load_config(target).get(stage, {})
-    key = spec_key(spec)
+    key = spec_key(dict(spec_items))
     if key not in entries:
         have = "; ".join(entries) or "none"
         raise ValueError(
             f"no {stage} tile config for {key} on {target} ({config_dir() / (target + '.yaml')}); supported: {have}"
         )
-    return {p: entries[key][p] for p in STAGES[stage].params}
+    return tuple((p, entries[key][p]) for p in STAGES[stage].params)
 
 
 # ---------------------------------------------------------------- targets
@@ -153,22 +159,24 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _listed() -> str:
+    return ", ".join(f"{t} (compute capability {TARGETS[t][0][0]}.{TARGETS[t][0][1]})" for t in supported_targets())
+
+
 def target_of(x: torch.Tensor, name: str) -> str:
     """The mate target of the GPU holding `x`; raises before any compilation if there is none."""
-    targets = supported_targets()
-    listed = ", ".join(f"{t} (compute capability {TARGETS[t][0][0]}.{TARGETS[t][0][1]})" for t in targets)
     if x.device.type != "cuda":
         raise ValueError(
             f"backend='tilelang' needs CUDA tensors, but {name} is on {x.device}; "
-            f"supported targets: {listed}; use backend='reference' elsewhere"
+            f"supported targets: {_listed()}; use backend='reference' elsewhere"
         )
     cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    for t in targets:
+    for t in supported_targets():
         if TARGETS[t][0] == cap:
             return t
     raise ValueError(
         f"backend='tilelang' has no tile config for this GPU (compute capability {cap[0]}.{cap[1]}); "
-        f"supported targets: {listed}; use backend='reference' elsewhere"
+        f"supported targets: {_listed()}; use backend='reference' elsewhere"
     )
 
 
@@ -188,13 +196,23 @@ def compile_program(stage: str, spec: dict, target: str, tile_values: dict | Non
 
 
 def kernel(stage: str, spec: dict, target: str):
-    """The compiled kernel for (stage, specialization, tile config, target), compiled on first use."""
-    values = tiles(stage, spec, target)
-    key = (stage, tuple(spec.items()), tuple(values.items()), target)
+    """The compiled kernel for (stage, specialization, target) with the config's tiles, compiled on first use.
+
+    Config files are read once per process; `clear_caches()` makes the next call read them again.
+    """
+    key = (stage, tuple(spec.items()), target)
     k = _kernels.get(key)
     if k is None:
         with _lock:
             k = _kernels.get(key)
             if k is None:
-                k = _kernels[key] = compile_program(stage, spec, target, values)
+                k = _kernels[key] = compile_program(stage, spec, target)
     return k
+
+
+def clear_caches() -> None:
+    """Forget configs and compiled kernels (after MATE_CONFIG_DIR or a config file changed)."""
+    load_config.cache_clear()
+    supported_targets.cache_clear()
+    _tiles.cache_clear()
+    _kernels.clear()

@@ -64,14 +64,14 @@ def test_config_schema_errors_name_file_and_key(tmp_path, data, match):
 def test_config_dir_override_and_missing_key(tmp_path, monkeypatch):
     _write(tmp_path, {"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": 64, "measured": "by hand"}}})
     monkeypatch.setenv("MATE_CONFIG_DIR", str(tmp_path))
-    _dispatch.load_config.cache_clear()
+    _dispatch.clear_caches()
     try:
         assert _dispatch.tiles("mqa_decode", {"dtype": "bfloat16", "page_size": 16}, "sm90") == {"block_keys": 64, "threads": 128}
         with pytest.raises(ValueError, match="no mqa_decode tile config for dtype=float16,page_size=16 on sm90.*supported: dtype=bfloat16,page_size=16"):
             _dispatch.tiles("mqa_decode", {"dtype": "float16", "page_size": 16}, "sm90")
     finally:
         monkeypatch.delenv("MATE_CONFIG_DIR")
-        _dispatch.load_config.cache_clear()
+        _dispatch.clear_caches()
 
 
 def test_target_of_rejects_cpu_naming_targets():

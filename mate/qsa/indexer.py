@@ -51,13 +51,13 @@ def _logits(q, k, lo, hi, scale, target):
     out = torch.empty(B, R, N, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    spec = {"dtype": str(q.dtype).removeprefix("torch.")}
+    spec = {"dtype": str(q.dtype).removeprefix("torch."), "even_keys": int(N % 2 == 0)}
     kern = _dispatch.kernel(LOGITS.name, spec, target)
     tiles = _dispatch.tiles(LOGITS.name, spec, target)
-    # Split the key axis until the grid covers every multiprocessor once.
+    # Split the key axis while that still fits the grid in one wave of the multiprocessors.
     ctas = -(-R // tiles["block_rows"]) * B
     key_tiles = -(-N // tiles["block_keys"])
-    splits = max(1, min(key_tiles, -(-_sm_count(q.device.index) // ctas)))
+    splits = max(1, min(key_tiles, _sm_count(q.device.index) // ctas))
     kern(C.canonical_unit_strides(q), C.canonical_unit_strides(k), lo, hi, out, scale, splits)
     return out
 

@@ -20,7 +20,7 @@ import tilelang.language as T
 NEG_INF = -T.infinity("float32")
 
 
-def mqa_logits(dtype, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
+def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
     B, R, N = T.dynamic("B R N")
     splits = T.dynamic("splits")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
@@ -48,6 +48,11 @@ def mqa_logits(dtype, block_rows, block_keys, threads, num_stages, heads=4, dim=
             T.assume(sqb % 8 == 0)
             T.assume(sqr % 8 == 0)
             T.assume(sqh % 8 == 0)
+            if even_keys:
+                # Each thread holds pairs of adjacent scores: with an even row length they
+                # go out as 8-byte stores that fill whole 32-byte sectors (scalar stores
+                # half-fill them, and L2 write traffic bounds this kernel).
+                T.assume(N % 2 == 0)
             r0 = bx * block_rows
 
             # Rows past R and rows with an empty interval must not widen the tile range.
@@ -96,6 +101,10 @@ def mqa_logits(dtype, block_rows, block_keys, threads, num_stages, heads=4, dim=
 
 def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
     assert block_keys % page_size == 0, "block_keys must be a multiple of page_size"
+    vec = 8  # bf16/fp16 elements per 16-byte load
+    row_chunks = dim // vec
+    assert (block_keys * row_chunks) % threads == 0, "every thread loads the same number of 16-byte chunks"
+    loads = block_keys * row_chunks // threads
     B, P, MP, L = T.dynamic("B P MP L")
     sqb, sqh, skp, skt, spb, spp, scl = T.dynamic("sqb sqh skp skt spb spp scl", "int64")
     heads_mma = max(8, heads)  # the MMA's N is at least 8: pad heads with zero rows
@@ -113,9 +122,11 @@ def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
         with T.Kernel(T.ceildiv(L, block_keys), B, threads=threads) as (bx, by):
             Qs = T.alloc_shared((heads_mma, dim), dtype)
             Ks = T.alloc_shared((block_keys, dim), dtype)
+            Kr = T.alloc_local((loads, vec), dtype)
             pages = T.alloc_shared((pages_per_tile,), "int32")
             S = T.alloc_fragment((block_keys, heads_mma), "float32")
             score = T.alloc_fragment((block_keys,), "float32")
+            tx = T.get_thread_binding()
             # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
             T.assume(skp % 8 == 0)
             T.assume(skt % 8 == 0)
@@ -130,9 +141,18 @@ def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
             # Q goes through plain loads, so a broadcast (stride-0) batch axis is fine.
             for h, d in T.Parallel(heads_mma, dim):
                 Qs[h, d] = T.if_then_else(h < heads, Q[by, h, d], T.cast(0, dtype))
-            for i, d in T.Parallel(block_keys, dim):
+            # Gather into registers first and store to shared memory after, so that all of a
+            # thread's loads are in flight at once (load-store pairs would serialize them).
+            for v in T.unroll(loads):
+                c = v * threads + tx
+                i = c // row_chunks
                 p = pages[i // page_size]
-                Ks[i, d] = T.if_then_else(p >= 0, Kc[p, i % page_size, d], T.cast(0, dtype))
+                for e in T.vectorized(vec):
+                    Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % row_chunks) * vec + e], T.cast(0, dtype))
+            for v in T.unroll(loads):
+                c = v * threads + tx
+                for e in T.vectorized(vec):
+                    Ks[c // row_chunks, (c % row_chunks) * vec + e] = Kr[v, e]
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
             for i, h in T.Parallel(block_keys, heads_mma):
                 S[i, h] = T.max(S[i, h], 0)
