@@ -22,6 +22,16 @@ Skipped entries are never read. The pipelined loop then walks that list: a
 64-key tile is one selected block (block_size 64) or two (block_size 32; an
 odd last block is paired with a masked repeat of a valid block), loaded by TMA
 (zero fill past N) by an auto warp-specialized producer.
+
+Where the time goes (H200, seed shape B=1 M=N=65536 H=128 G=8 D=128 T=16,
+block 64; benchmarks/results/nsa_selection_h200.json): 29.1 ms, 275 GB of
+gathered K/V at 9.4 TB/s, all L2 hits (a group's K/V, 32 MB, fits in L2).
+T = 1 / 4 / 16 take 6.3 / 10.6 / 29.1 ms: about 1.5 ms per selected block
+(11 TB/s marginal) plus about 5 ms of per-CTA cost (index and Q loads, first
+TMA latency, epilogue). A plain Triton gather of the same 32 KB tiles from an
+L2-resident pool, with no attention math, takes 29.4 ms. Shared memory sets
+the loads in flight: at 76 KB a CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM;
+one more KB (MAX_SLOTS = 256) drops it to 2 CTAs and costs 18%.
 """
 
 import tilelang.language as T
