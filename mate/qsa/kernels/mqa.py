@@ -23,6 +23,7 @@ NEG_INF = -T.infinity("float32")
 
 def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
     assert heads == 4, "the head pipeline below is written out for the indexer's 4 heads"
+    regs = block_rows * block_keys // threads  # accumulator registers per thread
     B, R, N = T.dynamic("B R N")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
 
@@ -96,17 +97,21 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
                 T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
                 # Two accumulators in flight: the tensor cores run head h+1 while the ReLU of
                 # head h is summed. The last product is synchronous, so it waits for all of
-                # them before Ks goes back to the producer.
+                # them before Ks goes back to the producer. After each wait, the fence stops
+                # the compiler from reading the accumulator before the wait.
                 T.wgmma_gemm(Qs[0, :, :], Ks, S0, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(Qs[1, :, :], Ks, S1, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(1)
+                T.warpgroup_fence_operand(S0, num_regs=regs)
                 for i, j in T.Parallel(block_rows, block_keys):
                     acc[i, j] = T.max(S0[i, j], 0)
                 T.wgmma_gemm(Qs[2, :, :], Ks, S0, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(1)
+                T.warpgroup_fence_operand(S1, num_regs=regs)
                 for i, j in T.Parallel(block_rows, block_keys):
                     acc[i, j] += T.max(S1[i, j], 0)
                 T.gemm(Qs[3, :, :], Ks, S1, transpose_B=True, clear_accum=True)
+                T.warpgroup_fence_operand(S0, num_regs=regs)
                 for i, j in T.Parallel(block_rows, block_keys):
                     acc[i, j] += T.max(S0[i, j], 0) + T.max(S1[i, j], 0)
                 if (k0 >= lo_max) & (k0 + block_keys <= hi_min):  # every row sees the whole tile
