@@ -8,8 +8,7 @@ rows are the MMA's M operand, one GEMM per head (ReLU sits between the heads'
 products and their sum, so the heads cannot share one GEMM), keys the N
 operand. Key tiles wholly outside every row's interval are filled with -inf
 without loading K; the key axis is split over `grid_y` CTAs so that short
-row counts still fill the GPU. The FP32 output is as large as the work (4 B
-per 1 KFLOP), so its store path matters as much as the MMAs.
+row counts still fill the GPU.
 
 `mqa_decode` serves paged decode, one query row of 4 heads per request. The
 gathered keys are the M operand and the 4 heads, zero-padded to 8, the N
@@ -22,9 +21,8 @@ NEG_INF = -T.infinity("float32")
 
 
 def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
-    assert heads == 4, "the head pipeline below is written out for the indexer's 4 heads"
-    regs = block_rows * block_keys // threads  # accumulator registers per thread
     B, R, N = T.dynamic("B R N")
+    splits = T.dynamic("splits")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
 
     @T.prim_func
@@ -42,13 +40,10 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
             Ks = T.alloc_shared((block_keys, dim), dtype)
             lo_s = T.alloc_shared((block_rows,), "int32")
             hi_s = T.alloc_shared((block_rows,), "int32")
-            S0 = T.alloc_fragment((block_rows, block_keys), "float32")
-            S1 = T.alloc_fragment((block_rows, block_keys), "float32")
+            S = T.alloc_fragment((block_rows, block_keys), "float32")
             acc = T.alloc_fragment((block_rows, block_keys), "float32")
             lo_min = T.alloc_var("int32")
             hi_max = T.alloc_var("int32")
-            lo_max = T.alloc_var("int32")
-            hi_min = T.alloc_var("int32")
             # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
             T.assume(sqb % 8 == 0)
             T.assume(sqr % 8 == 0)
@@ -70,13 +65,9 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
                 T.copy(Q[bz, r0 : r0 + block_rows, h, :], Qs[h, :, :])
             lo_min = N
             hi_max = 0
-            lo_max = 0
-            hi_min = N
             for i in T.serial(block_rows):
                 lo_min = T.min(lo_min, lo_s[i])
                 hi_max = T.max(hi_max, hi_s[i])
-                lo_max = T.max(lo_max, lo_s[i])
-                hi_min = T.min(hi_min, hi_s[i])
 
             tiles = T.ceildiv(N, block_keys)
             per_split = T.ceildiv(tiles, key_splits)
@@ -95,32 +86,14 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
             for t in T.Pipelined(c_end - c_begin, num_stages=num_stages):
                 k0 = (c_begin + t) * block_keys
                 T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
-                # Two accumulators in flight: the tensor cores run head h+1 while the ReLU of
-                # head h is summed. The last product is synchronous, so it waits for all of
-                # them before Ks goes back to the producer. After each wait, the fence stops
-                # the compiler from reading the accumulator before the wait.
-                T.wgmma_gemm(Qs[0, :, :], Ks, S0, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(Qs[1, :, :], Ks, S1, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)
-                T.warpgroup_fence_operand(S0, num_regs=regs)
-                for i, j in T.Parallel(block_rows, block_keys):
-                    acc[i, j] = T.max(S0[i, j], 0)
-                T.wgmma_gemm(Qs[2, :, :], Ks, S0, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)
-                T.warpgroup_fence_operand(S1, num_regs=regs)
-                for i, j in T.Parallel(block_rows, block_keys):
-                    acc[i, j] += T.max(S1[i, j], 0)
-                T.gemm(Qs[3, :, :], Ks, S1, transpose_B=True, clear_accum=True)
-                T.warpgroup_fence_operand(S0, num_regs=regs)
-                for i, j in T.Parallel(block_rows, block_keys):
-                    acc[i, j] += T.max(S0[i, j], 0) + T.max(S1[i, j], 0)
-                if (k0 >= lo_max) & (k0 + block_keys <= hi_min):  # every row sees the whole tile
+                T.clear(acc)
+                for h in T.serial(heads):
+                    T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_rows, block_keys):
-                        acc[i, j] = acc[i, j] * scale
-                else:
-                    for i, j in T.Parallel(block_rows, block_keys):
-                        n = k0 + j
-                        acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+                        acc[i, j] += T.max(S[i, j], 0)
+                for i, j in T.Parallel(block_rows, block_keys):
+                    n = k0 + j
+                    acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
                 T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
 
     return main
