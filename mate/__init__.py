@@ -9,8 +9,11 @@ from mate.nsa.selection import nsa_selection_attention
 from mate.qsa.attention import qsa_sparse_attention
 from mate.qsa.indexer import qsa_indexer_mqa_score, qsa_mqa, qsa_mqa_decode, qsa_mqa_prefill
 from mate.qsa.merge import merge_attention_states
+from mate.swa.attention import build_gqa_attn, gqa_attention
 
 __all__ = [
+    "build_gqa_attn",
+    "gqa_attention",
     "merge_attention_states",
     "nsa_selection_attention",
     "qsa_indexer_mqa_score",

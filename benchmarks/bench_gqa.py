@@ -1,0 +1,318 @@
+"""GQA attention benchmark: mate (TileLang) vs compiled FlexAttention (sliding-window block mask) and cuDNN SDPA.
+
+Shapes (issue 6): B = 1, H = 64, H_kv = 8, BF16, D = 128 and 64, Sq = Sk in
+{4096, 16384, 65536}, windows (512, 0), (1024, 0), (4096, 0), (8192, 0) and
+dense causal (-1, 0). FLOPs are counted exactly: 4 * B * H * D * (number of
+visible (query, key) pairs). cuDNN (torch SDPA, CUDNN_ATTENTION backend) runs
+dense causal only; FlexAttention runs every window, compiled once per (D, S)
+with the window as a captured tensor, its BlockMask built exactly from the
+band (partial and full 128x128 blocks).
+
+Each implementation is timed as CUDA-Graph replays of `--calls` back-to-back
+calls (host launch cost excluded, the same for all three), median of
+`--reps` replays. Every row also records mate's relative error against
+FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
+
+  python benchmarks/bench_gqa.py [--dims 128 64] [--lengths 4096 16384 65536] [--depths]
+                                 [--out benchmarks/results/gqa_h200.json]
+
+--depths also times the other consumer schedule (mma_depth 1 vs 2) of the
+mate kernel. The JSON is rewritten after every row, so a run cut short keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import mate
+from mate import _dispatch
+from mate.swa import attention as swa
+
+B, H, HKV = 1, 64, 8
+WINDOWS = [(512, 0), (1024, 0), (4096, 0), (8192, 0), (-1, 0)]
+BLOCK = 128
+
+
+def visible_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """Exact count of (query, key) pairs with p - left <= j <= p + right, 0 <= j < sk, p = i + sk - sq."""
+    p = torch.arange(sq, dtype=torch.int64) + (sk - sq)
+    lo = torch.clamp(p - left, min=0) if left >= 0 else torch.zeros_like(p)
+    hi = torch.clamp(p + right, max=sk - 1) if right >= 0 else torch.full_like(p, sk - 1)
+    return int(torch.clamp(hi - lo + 1, min=0).sum())
+
+
+def band_block_mask(s: int, left: int, right: int, mask_mod, device):
+    """FlexAttention BlockMask of a (left, right) band over s x s, 128x128 blocks, built from the band's geometry."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    assert s % BLOCK == 0
+    n = s // BLOCK
+    qb = torch.arange(n, device=device).unsqueeze(1)
+    kb = torch.arange(n, device=device).unsqueeze(0)
+    p_first, p_last = qb * BLOCK, qb * BLOCK + BLOCK - 1
+    j_first, j_last = kb * BLOCK, kb * BLOCK + BLOCK - 1
+    big = 1 << 40
+    L = left if left >= 0 else big
+    R = right if right >= 0 else big
+    any_ = (j_first <= p_last + R) & (j_last >= p_first - L)
+    full = (j_first >= p_last - L) & (j_last <= p_first + R)
+    partial = any_ & ~full
+
+    def indices(m):
+        num = m.sum(-1).to(torch.int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[None, None], idx[None, None].contiguous()
+
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod)
+
+
+def graph_time_ms(fn, calls: int, reps: int) -> float:
+    """Median over `reps` replays of a CUDA graph holding `calls` back-to-back calls, per call."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    times.sort()
+    del g
+    return times[len(times) // 2]
+
+
+def calls_for(est_ms: float) -> int:
+    return max(3, min(200, int(40.0 / max(est_ms, 1e-3))))
+
+
+def quick_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 3
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mate", "benchmarks", "configs"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        return sha + ("+dirty" if dirty else "") if sha else "unknown"
+    except OSError:
+        return os.environ.get("MATE_GIT_COMMIT", "unknown")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--windows", type=str, nargs="+", default=None, help="e.g. 512,0 -1,0")
+    ap.add_argument("--depths", action="store_true", help="also time the other mma_depth schedule")
+    ap.add_argument("--extra", type=str, action="append", default=[],
+                    help="DIM:key=value,... also time these tile overrides for head dim DIM, e.g. 64:block_m=192,threads=384")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", type=str, default="benchmarks/results/gqa_h200.json")
+    args = ap.parse_args()
+    windows = WINDOWS if args.windows is None else [tuple(int(x) for x in w.split(",")) for w in args.windows]
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    target = _dispatch.target_of(torch.empty(0, device=dev), "probe")
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "git_commit": os.environ.get("MATE_GIT_COMMIT") or git_commit(),
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "tilelang": __import__("tilelang").__version__,
+        "shape": {"B": B, "H": H, "H_kv": HKV, "dtype": "bfloat16", "layout": "BSHD"},
+        "flops": "4 * B * H * D * visible (query, key) pairs",
+        "timing": "CUDA-Graph replay of back-to-back calls, median per call",
+        "config": {},
+        "rows": [],
+    }
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out_path.write_text(json.dumps(meta, indent=1) + "\n")
+
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = 64  # one compile per (D, S)
+        torch._dynamo.config.accumulated_cache_size_limit = 256
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    for dim in args.dims:
+        for s in args.lengths:
+            q = torch.randn(B, s, H, dim, device=dev).to(torch.bfloat16)
+            k = torch.randn(B, s, HKV, dim, device=dev).to(torch.bfloat16)
+            v = torch.randn(B, s, HKV, dim, device=dev).to(torch.bfloat16)
+            out = torch.empty_like(q)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views for torch
+            window_t = torch.tensor(0, device=dev, dtype=torch.int64)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx - kv_idx <= window_t)
+
+            for left, right in windows:
+                row = {"dim": dim, "seq": s, "window": [left, right]}
+                t0 = time.time()
+                try:
+                    pairs = visible_pairs(s, s, left, right)
+                    flops = 4.0 * B * H * dim * pairs
+                    row.update(pairs=pairs, flops=flops)
+                    spec = swa._spec(q.dtype, dim, left, right)
+                    tiles = _dispatch.tiles(swa.STAGE.name, spec, target)
+                    meta["config"][_dispatch.spec_key(spec)] = tiles
+
+                    def run_mate():
+                        return mate.gqa_attention(q, k, v, sliding_window=(left, right), out=out)
+
+                    est = quick_ms(run_mate)
+                    ms = graph_time_ms(run_mate, calls_for(est), args.reps)
+                    row.update(mate_ms=ms, mate_tflops=flops / ms / 1e9, mma_depth=tiles["mma_depth"])
+                    mate_out = out.clone()
+
+                    if args.depths:
+                        other = dict(tiles, mma_depth=3 - tiles["mma_depth"])
+                        kern = _dispatch.compile_program(swa.STAGE.name, spec, target, other)
+                        lse = torch.empty(B, H, s, device=dev)
+                        out2 = torch.empty_like(q)
+
+                        def run_other():
+                            kern(q, k, v, out2, lse, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
+
+                        ms2 = graph_time_ms(run_other, calls_for(est), args.reps)
+                        row["other_depth"] = {"mma_depth": other["mma_depth"], "ms": ms2, "tflops": flops / ms2 / 1e9,
+                                              "err_vs_mate": rel_err(out2, mate_out)}
+
+                    for extra in args.extra:
+                        d, _, kv = extra.partition(":")
+                        if int(d) != dim:
+                            continue
+                        over = {a: int(b) for a, b in (x.split("=") for x in kv.split(","))}
+                        kern = _dispatch.compile_program(swa.STAGE.name, spec, target, dict(tiles, **over))
+                        lse3 = torch.empty(B, H, s, device=dev)
+                        out3 = torch.empty_like(q)
+
+                        def run_extra():
+                            kern(q, k, v, out3, lse3, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
+
+                        ms3 = graph_time_ms(run_extra, calls_for(est), args.reps)
+                        row.setdefault("extra", []).append({"tiles": dict(tiles, **over), "ms": ms3, "tflops": flops / ms3 / 1e9,
+                                                            "err_vs_mate": rel_err(out3, mate_out)})
+
+                    if flex is not None:
+                        window_t.fill_(left if left >= 0 else s)
+                        bm = band_block_mask(s, left if left >= 0 else s, right, mask_mod, dev)
+
+                        def run_flex():
+                            return flex(qt, kt, vt, block_mask=bm, enable_gqa=True)
+
+                        tc = time.time()
+                        ref = run_flex()
+                        torch.cuda.synchronize()
+                        row["flex_first_call_s"] = time.time() - tc
+                        fms = graph_time_ms(run_flex, calls_for(quick_ms(run_flex)), args.reps)
+                        row.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, speedup_vs_flex=fms / ms,
+                                   err_vs_flex=rel_err(mate_out, ref.transpose(1, 2)))
+
+                    if (left, right) == (-1, 0):
+                        from torch.nn.attention import SDPBackend, sdpa_kernel
+                        import torch.nn.functional as F
+
+                        kx, vx = kt, vt
+                        gqa = True
+
+                        def run_cudnn():
+                            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                                if gqa:
+                                    return F.scaled_dot_product_attention(qt, kx, vx, is_causal=True, enable_gqa=True)
+                                return F.scaled_dot_product_attention(qt, kx, vx, is_causal=True)
+
+                        try:
+                            ref = run_cudnn()
+                        except RuntimeError:
+                            gqa = False  # cuDNN without native GQA: give it the expanded K/V
+                            kx = kt.repeat_interleave(H // HKV, dim=1)
+                            vx = vt.repeat_interleave(H // HKV, dim=1)
+                            ref = run_cudnn()
+                        cms = graph_time_ms(run_cudnn, calls_for(quick_ms(run_cudnn)), args.reps)
+                        row.update(cudnn_ms=cms, cudnn_tflops=flops / cms / 1e9, cudnn_native_gqa=gqa,
+                                   speedup_vs_cudnn=cms / ms, err_vs_cudnn=rel_err(mate_out, ref.transpose(1, 2)))
+                except Exception as e:  # keep measuring the other rows
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    traceback.print_exc()
+                row["wall_s"] = round(time.time() - t0, 1)
+                meta["rows"].append(row)
+                save()
+                print(json.dumps(row), flush=True)
+            del q, k, v, out, qt, kt, vt
+            torch.cuda.empty_cache()
+
+    print()
+    hdr = f"{'D':>4} {'seq':>6} {'window':>10} | {'mate ms':>8} {'TFLOP/s':>7} {'d':>1} | {'alt ms':>8} {'TF':>5} | {'flex ms':>8} {'TF':>5} {'x flex':>6} | {'cudnn ms':>8} {'TF':>5} {'x cudnn':>7} | err"
+    print(hdr)
+    for r in meta["rows"]:
+        w = f"({r['window'][0]},{r['window'][1]})"
+        if "mate_ms" not in r:
+            print(f"{r['dim']:>4} {r['seq']:>6} {w:>10} | {r.get('error', '?')[:80]}")
+            continue
+        alt = r.get("other_depth", {})
+        line = f"{r['dim']:>4} {r['seq']:>6} {w:>10} | {r['mate_ms']:8.3f} {r['mate_tflops']:7.1f} {r['mma_depth']:>1} | "
+        line += f"{alt.get('ms', float('nan')):8.3f} {alt.get('tflops', float('nan')):5.0f} | "
+        line += f"{r.get('flex_ms', float('nan')):8.3f} {r.get('flex_tflops', float('nan')):5.0f} {r.get('speedup_vs_flex', float('nan')):6.2f} | "
+        line += f"{r.get('cudnn_ms', float('nan')):8.3f} {r.get('cudnn_tflops', float('nan')):5.0f} {r.get('speedup_vs_cudnn', float('nan')):7.2f} | "
+        line += f"{r.get('err_vs_flex', float('nan')):.1e}"
+        for e in r.get("extra", []):
+            line += f" | extra {e['tiles']['block_m']}x{e['tiles']['block_n']} t{e['tiles']['threads']} d{e['tiles']['mma_depth']}: {e['ms']:.3f} ms {e['tflops']:.0f} TF"
+        if "error" in r:
+            line += " ERR " + r["error"][:60]
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

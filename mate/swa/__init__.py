@@ -1,0 +1,1 @@
+"""GQA attention, dense or sliding window (issue 6)."""

@@ -1,0 +1,1 @@
+"""TileLang programs of the GQA / sliding-window attention stage."""

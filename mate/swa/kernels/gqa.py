@@ -1,0 +1,198 @@
+"""TileLang program of GQA forward attention, dense or sliding window (BSHD).
+
+One CTA computes `block_m` query rows of one query head against the keys of
+its KV head (`kv_head = head // (H // H_kv)`). Query row `i` sits at position
+`p = i + Sk - Sq` (bottom-right aligned) and sees the keys `j` with
+`p - left <= j <= p + right` and `0 <= j < Sk`.
+
+The window class fixes at compile time which sides of the band exist:
+
+- `none`:   no window (full, non-causal attention); only the last key tile
+            can hold keys past `Sk`.
+- `causal`: left side unbounded, right side `p + right` (causal is right = 0).
+- `local`:  left side bounded; the right side too (an unbounded right side
+            comes in as a sentinel larger than any distance).
+
+`left` and `right` are runtime scalars, so one compiled kernel serves every
+window of its class. Each CTA visits only the key tiles that meet its band,
+`[n_lo, n_hi)`, and masks only the tiles that some row does not see whole,
+`n < full_lo or n >= full_hi`. The online softmax keeps the running max at
+-inf for a row that has seen nothing yet and exponentiates against 0 then, so
+a row with no visible key ends with sum 0: output 0 and LSE -inf, never NaN.
+
+Hopper: Q, K and V tiles arrive through TMA, K and V into a `num_stages`-deep
+shared ring fed by a producer warpgroup (TileLang's warp specialization of the
+pipelined loop; the consumer warpgroups get `setmaxnreg` 240); both GEMMs are
+wgmma (QK^T from shared memory, PV with P in registers); O leaves through
+shared memory and a TMA store. `mma_depth` picks the consumer schedule:
+
+- 1: tile n's QK^T, softmax and PV in turn (each GEMM waited right away);
+- 2: the FlashAttention-3 intra-warpgroup overlap. Iteration t issues QK^T of
+     tile t and PV of tile t-1 back to back without waiting, then runs the
+     softmax of tile t while PV of tile t-1 is still on the tensor cores.
+     K(t) and V(t-1) are loaded in iteration t; the loop runs one extra
+     iteration, so it loads one K tile past the band and one V tile before it
+     (clamped in range; TMA fills rows past Sk with zeros) whose GEMMs are
+     skipped. The first and the extra iteration take their own branches, so
+     that no asynchronous wgmma crosses a branch (ptxas would serialize them).
+"""
+
+import tilelang.language as T
+
+WINDOWS = ("none", "causal", "local")
+LN2 = 0.6931471805599453
+
+
+def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth):
+    assert window in WINDOWS, window
+    assert mma_depth in (1, 2), mma_depth
+    has_left = window == "local"
+    has_right = window != "none"
+    accum = "float32"
+    neg_inf = -T.infinity(accum)
+
+    B, Sq, Sk, H, Hkv = T.dynamic("B Sq Sk H Hkv")
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh = T.dynamic(
+        "sqb sqs sqh skb sks skh svb svs svh sob sos soh", "int64"
+    )
+
+    @T.macro
+    def mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2):
+        """Mask key tile t where needed, update the running max and sum, leave P (FP32) in acc_s."""
+        if (t < full_lo) | (t >= full_hi):
+            for i, j in T.Parallel(block_m, block_n):
+                key = t * block_n + j
+                pos = m0 + i + shift
+                ok = key < Sk
+                if has_left:
+                    ok = ok & (key >= pos - left)
+                if has_right:
+                    ok = ok & (key <= pos + right)
+                acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], neg_inf)
+        T.copy(m_run, m_prev)
+        T.reduce_max(acc_s, m_run, dim=1, clear=False)
+        for i in T.Parallel(block_m):
+            # A row that has seen nothing keeps max -inf; exponentiate against 0 then.
+            m_off[i] = T.if_then_else(m_run[i] == neg_inf, 0, m_run[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_off[i])
+        for i, j in T.Parallel(block_m, block_n):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_off[i])
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for i in T.Parallel(block_m):
+            l_run[i] = l_run[i] * alpha[i] + row_sum[i]
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((B, Sq, H, dim), (sqb, sqs, sqh, 1), dtype),
+        K: T.StridedTensor((B, Sk, Hkv, dim), (skb, sks, skh, 1), dtype),
+        V: T.StridedTensor((B, Sk, Hkv, dim), (svb, svs, svh, 1), dtype),
+        O: T.StridedTensor((B, Sq, H, dim), (sob, sos, soh, 1), dtype),
+        LSE: T.Tensor((B, H, Sq), accum),
+        scale_log2: T.float32,
+        left: T.int32,
+        right: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(Sq, block_m), H, B, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared((block_m, dim), dtype)
+            K_s = T.alloc_shared((block_n, dim), dtype)
+            V_s = T.alloc_shared((block_n, dim), dtype)
+            O_s = T.alloc_shared((block_m, dim), dtype)
+            acc_s = T.alloc_fragment((block_m, block_n), accum)
+            acc_p = T.alloc_fragment((block_m, block_n), dtype)
+            acc_o = T.alloc_fragment((block_m, dim), accum)
+            m_run = T.alloc_fragment((block_m,), accum)
+            m_prev = T.alloc_fragment((block_m,), accum)
+            m_off = T.alloc_fragment((block_m,), accum)
+            alpha = T.alloc_fragment((block_m,), accum)
+            row_sum = T.alloc_fragment((block_m,), accum)
+            l_run = T.alloc_fragment((block_m,), accum)
+
+            # The wrapper checks the layout rule (16-byte aligned strides).
+            T.assume(sqb % 8 == 0)
+            T.assume(sqs % 8 == 0)
+            T.assume(sqh % 8 == 0)
+            T.assume(skb % 8 == 0)
+            T.assume(sks % 8 == 0)
+            T.assume(skh % 8 == 0)
+            T.assume(svb % 8 == 0)
+            T.assume(svs % 8 == 0)
+            T.assume(svh % 8 == 0)
+            T.assume(sob % 8 == 0)
+            T.assume(sos % 8 == 0)
+            T.assume(soh % 8 == 0)
+
+            # Last query tiles first: under a causal band they carry the most key tiles.
+            m0 = (T.ceildiv(Sq, block_m) - 1 - bx) * block_m
+            kvh = by // (H // Hkv)
+            shift = Sk - Sq
+            p_first = m0 + shift
+            p_last = T.min(m0 + block_m, Sq) - 1 + shift
+
+            # Key tiles some row of this tile sees: [n_lo, n_hi).
+            lo = T.max(p_first - left, 0) if has_left else 0
+            hi = T.min(p_last + right + 1, Sk) if has_right else Sk
+            n_lo = lo // block_n
+            n_hi = T.max(T.ceildiv(hi, block_n), n_lo)
+            # Key tiles every row sees whole: [full_lo, full_hi).
+            full_lo = T.max(T.ceildiv(T.max(p_last - left, 0), block_n), n_lo) if has_left else n_lo
+            if has_right:
+                full_hi = T.min(T.floordiv(p_first + right + 1, block_n), Sk // block_n)
+            else:
+                full_hi = Sk // block_n
+
+            T.copy(Q[bz, m0 : m0 + block_m, by, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l_run, 0)
+            T.fill(m_run, neg_inf)
+            T.fill(m_off, 0)
+            T.fill(alpha, 1)
+
+            if mma_depth == 1:
+                for n in T.Pipelined(n_lo, n_hi, num_stages=num_stages):
+                    T.copy(K[bz, n * block_n : (n + 1) * block_n, kvh, :], K_s)
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                    T.copy(acc_s, acc_p)
+                    for i, j in T.Parallel(block_m, dim):
+                        acc_o[i, j] *= alpha[i]
+                    T.copy(V[bz, n * block_n : (n + 1) * block_n, kvh, :], V_s)
+                    T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            else:
+                T.clear(acc_p)
+                for t in T.Pipelined(n_lo, n_hi + 1, num_stages=num_stages):
+                    T.copy(K[bz, t * block_n : (t + 1) * block_n, kvh, :], K_s)
+                    v0 = T.max(t - 1, 0) * block_n
+                    T.copy(V[bz, v0 : v0 + block_n, kvh, :], V_s)
+                    # Each branch issues and waits its own wgmma groups: no asynchronous GEMM
+                    # crosses a branch, so ptxas keeps them asynchronous (else it serializes, C7514).
+                    if (t > n_lo) & (t < n_hi):
+                        T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        for i, j in T.Parallel(block_m, dim):
+                            acc_o[i, j] *= alpha[i]
+                        T.wgmma_gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)  # QK^T of tile t done; PV of tile t-1 still on the tensor cores
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        T.wait_wgmma(0)
+                        T.copy(acc_s, acc_p)
+                    elif t < n_hi:  # first tile: nothing to overlap with
+                        T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        T.copy(acc_s, acc_p)
+                    elif t > n_lo:  # one past the last tile: PV of the last tile
+                        for i, j in T.Parallel(block_m, dim):
+                            acc_o[i, j] *= alpha[i]
+                        T.wgmma_gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+
+            for i, j in T.Parallel(block_m, dim):
+                acc_o[i, j] = T.if_then_else(l_run[i] > 0, acc_o[i, j] / l_run[i], 0)
+            T.copy(acc_o, O_s)
+            T.copy(O_s, O[bz, m0 : m0 + block_m, by, :])
+            for i in T.Parallel(block_m):
+                if m0 + i < Sq:
+                    LSE[bz, by, m0 + i] = T.if_then_else(l_run[i] > 0, (m_off[i] + T.log2(l_run[i])) * LN2, neg_inf)
+
+    # exp2 and the final division take the approximate hardware paths (ex2.approx.ftz,
+    # rcp.approx): the softmax is the throughput limit of this kernel.
+    return main.with_attr("tilelang_pass_configs", {"tl.enable_fast_math": True})
