@@ -48,6 +48,24 @@ def optional_int32(name: str, x, **kw) -> torch.Tensor | None:
     return None if x is None else int32(name, x, **kw)
 
 
+def flattened_requests(what: str, rows: int, cu_seqlens_q, token_to_req, num_requests) -> int:
+    """Number of requests behind flattened rows: cu_seqlens_q (int32 [n + 1]) or token_to_req (int32 [rows]) with num_requests."""
+    if (cu_seqlens_q is None) == (token_to_req is None):
+        raise ValueError(f"flattened {what} needs exactly one of cu_seqlens_q or token_to_req")
+    if cu_seqlens_q is not None:
+        int32("cu_seqlens_q", cu_seqlens_q, ndim=1)
+        if cu_seqlens_q.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q must hold num_requests + 1 >= 2 offsets, got shape {tuple(cu_seqlens_q.shape)}")
+        n_req = cu_seqlens_q.shape[0] - 1
+        if num_requests is not None and positive_int("num_requests", num_requests) != n_req:
+            raise ValueError(f"num_requests is {num_requests} but cu_seqlens_q holds {n_req} requests")
+        return n_req
+    int32("token_to_req", token_to_req, shape=(rows,))
+    if num_requests is None:
+        raise ValueError("token_to_req needs num_requests")
+    return positive_int("num_requests", num_requests)
+
+
 def same_device(**tensors: torch.Tensor | None) -> None:
     items = [(n, t) for n, t in tensors.items() if t is not None]
     first_name, first = items[0]

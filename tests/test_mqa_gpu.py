@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mate
-from helpers import assert_scores_match, poison_allocator
+from helpers import assert_scores_match, capture_graph, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -124,14 +124,7 @@ def test_graph_replay_uses_current_metadata():
             mate.qsa_indexer_mqa_score(qs, ks, query_positions=pos),
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = calls()
+    graph, outs = capture_graph(calls)
     for _ in range(2):
         table.copy_(torch.randint(-1, pages + 2, (B, max_pages), device="cuda", dtype=torch.int32))
         ctx.copy_(torch.randint(0, L + 1, (B,), device="cuda", dtype=torch.int32))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mate
-from helpers import poison_allocator
+from helpers import capture_graph, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -166,14 +166,7 @@ def test_cuda_graph_replay_uses_current_metadata():
     out = torch.empty_like(q)
     lse = torch.empty(B, G * hpg, M, device="cuda")
     call = lambda: mate.nsa_selection_attention(q, k, v, idx, block_counts=counts, out=out, lse=lse)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
+    g, _ = capture_graph(call)
     idx.copy_(draw_indices(B, M, G, T, N, 64))
     counts.random_(0, T + 1)
     out.fill_(float("nan"))

@@ -206,20 +206,7 @@ def qsa_sparse_attention(
             if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
                 raise ValueError(f"num_requests is {num_requests} but padded query holds {n_req} requests")
         else:
-            if (cu_seqlens_q is None) == (token_to_req is None):
-                raise ValueError("flattened query [total_q, Hq, D] needs exactly one of cu_seqlens_q or token_to_req")
-            if cu_seqlens_q is not None:
-                C.int32("cu_seqlens_q", cu_seqlens_q, ndim=1)
-                if cu_seqlens_q.shape[0] < 2:
-                    raise ValueError(f"cu_seqlens_q must hold num_requests + 1 >= 2 offsets, got shape {tuple(cu_seqlens_q.shape)}")
-                n_req = cu_seqlens_q.shape[0] - 1
-                if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
-                    raise ValueError(f"num_requests is {num_requests} but cu_seqlens_q holds {n_req} requests")
-            else:
-                C.int32("token_to_req", token_to_req, shape=(rows,))
-                if num_requests is None:
-                    raise ValueError("token_to_req needs num_requests")
-                n_req = C.positive_int("num_requests", num_requests)
+            n_req = C.flattened_requests("query [total_q, Hq, D]", rows, cu_seqlens_q, token_to_req, num_requests)
         row_shape = tuple(query.shape[:-2])
         # ---- indices and the block hint
         C.int32("token_indices", token_indices, ndim=len(row_shape) + 1)
