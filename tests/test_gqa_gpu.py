@@ -97,6 +97,7 @@ def test_strided_views_and_empty_keys():
 VARIANTS = [  # (head dims, tile overrides): the schedules and tile shapes the config may pick
     ((64, 128), {"mma_depth": 1}),
     ((64, 128), {"mma_depth": 2}),
+    ((64, 128), {"num_stages": 3, "mma_depth": 2}),
     ((64,), {"block_m": 192, "threads": 384, "mma_depth": 2}),
 ]
 

@@ -47,6 +47,10 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
     assert window in WINDOWS, window
     assert mma_depth in (1, 2), mma_depth
     has_left = window == "local"
+    # 32-bit registers per consumer thread of S (FP32), O (FP32) and P (16-bit)
+    regs_s = block_m * block_n // threads
+    regs_o = block_m * dim // threads
+    regs_p = block_m * block_n // threads // 2
     has_right = window != "none"
     accum = "float32"
     neg_inf = -T.infinity(accum)
@@ -171,12 +175,18 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                             acc_o[i, j] *= alpha[i]
                         T.wgmma_gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(1)  # QK^T of tile t done; PV of tile t-1 still on the tensor cores
+                        # After each wait, fence the registers it released: else the compiler may read
+                        # S (or overwrite P and O) before the wait, while the tensor cores still own them.
+                        T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
                         mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
                         T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_o, num_regs=regs_o)
+                        T.warpgroup_fence_operand(acc_p, num_regs=regs_p)
                         T.copy(acc_s, acc_p)
                     elif t < n_hi:  # first tile: nothing to overlap with
                         T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
                         mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
                         T.copy(acc_s, acc_p)
                     elif t > n_lo:  # one past the last tile: PV of the last tile
@@ -184,6 +194,8 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                             acc_o[i, j] *= alpha[i]
                         T.wgmma_gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_o, num_regs=regs_o)
+                        T.warpgroup_fence_operand(acc_p, num_regs=regs_p)
 
             for i, j in T.Parallel(block_m, dim):
                 acc_o[i, j] = T.if_then_else(l_run[i] > 0, acc_o[i, j] / l_run[i], 0)
