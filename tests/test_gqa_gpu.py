@@ -94,30 +94,33 @@ def test_strided_views_and_empty_keys():
     assert mate.gqa_attention(q[:, :0], k, v).shape == (2, 0, 8, 128)
 
 
-VARIANTS = [  # (head dims, tile overrides): the schedules and tile shapes the config may pick
-    ((64, 128), {"mma_depth": 1}),
-    ((64, 128), {"mma_depth": 2}),
-    ((64, 128), {"num_stages": 3, "mma_depth": 2}),
-    ((64,), {"block_m": 192, "threads": 384, "mma_depth": 2}),
+BASE = {"block_m": 128, "block_n": 128, "threads": 256, "num_stages": 2}
+VARIANTS = [  # (head dims, tiles): the schedules and tile shapes a config may pick
+    ((64, 128), dict(BASE, mma_depth=1)),
+    ((64, 128), dict(BASE, mma_depth=2)),
+    ((64, 128), dict(BASE, num_stages=3, mma_depth=2)),
+    ((64,), dict(BASE, block_m=192, threads=384, mma_depth=2)),
 ]
 
 
 @pytest.mark.parametrize("dims, overrides", VARIANTS, ids=lambda x: str(x).replace(" ", ""))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, (-1, 0), (384, 0), (100, 700)], ids=str)
+@pytest.mark.parametrize("window", [None, (-1, 0), (384, 0), (100, 700), (0, 0)], ids=str)
 def test_tile_variants(dims, overrides, dtype, window):
     """Every schedule and tile shape the config may choose is correct, whichever one it holds now."""
     left, right = swa.parse_window(window)
     for dim in dims:
         spec = swa._spec(dtype, dim, left, right)
-        tiles = dict(_dispatch.tiles(swa.STAGE.name, spec, "sm90"), **overrides)
+        tiles = dict(overrides)
         kern = _dispatch.compile_program(swa.STAGE.name, spec, "sm90", tiles)
-        q, k, v = randn(2, 1000, 4, dim, dtype=dtype), randn(2, 1200, 2, dim, dtype=dtype), randn(2, 1200, 2, dim, dtype=dtype)
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((2, 4, 1000), float("nan"), device="cuda")
-        kern(q, k, v, out, lse, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
-        ref_out, ref_lse = mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference")
-        assert_attention_matches(out, lse, ref_out, ref_lse)
+        # Sq > Sk leaves whole query tiles with nothing visible under the bounded-right windows.
+        for sq, sk in [(1000, 1200), (1100, 300)]:
+            q, k, v = randn(2, sq, 4, dim, dtype=dtype), randn(2, sk, 2, dim, dtype=dtype), randn(2, sk, 2, dim, dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((2, 4, sq), float("nan"), device="cuda")
+            kern(q, k, v, out, lse, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
+            ref_out, ref_lse = mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference")
+            assert_attention_matches(out, lse, ref_out, ref_lse)
 
 
 @pytest.mark.parametrize("window", [None, (-1, 0), (1024, 0)], ids=str)

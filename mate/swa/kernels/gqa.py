@@ -22,11 +22,14 @@ a row with no visible key ends with sum 0: output 0 and LSE -inf, never NaN.
 
 Hopper: Q, K and V tiles arrive through TMA, K and V into a `num_stages`-deep
 shared ring fed by a producer warpgroup (TileLang's warp specialization of the
-pipelined loop; the consumer warpgroups get `setmaxnreg` 240); both GEMMs are
+pipelined loop; `setmaxnreg` gives two consumer warpgroups 240 registers, three
+160); both GEMMs are
 wgmma (QK^T from shared memory, PV with P in registers); O leaves through
 shared memory and a TMA store. `mma_depth` picks the consumer schedule:
 
 - 1: tile n's QK^T, softmax and PV in turn (each GEMM waited right away);
+     the loop runs at least once, so the consumers always wait for the Q load
+     (O_s shares shared memory with Q_s);
 - 2: the FlashAttention-3 intra-warpgroup overlap. Iteration t issues QK^T of
      tile t and PV of tile t-1 back to back without waiting, then runs the
      softmax of tile t while PV of tile t-1 is still on the tensor cores.
@@ -35,6 +38,9 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
      (clamped in range; TMA fills rows past Sk with zeros) whose GEMMs are
      skipped. The first and the extra iteration take their own branches, so
      that no asynchronous wgmma crosses a branch (ptxas would serialize them).
+     The loop always runs at least once, so the Q load is always waited for.
+     After each wgmma wait the released accumulators are fenced, so the
+     compiler cannot read S (or overwrite P and O) before the wait.
 """
 
 import tilelang.language as T
@@ -152,15 +158,21 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
             T.fill(alpha, 1)
 
             if mma_depth == 1:
-                for n in T.Pipelined(n_lo, n_hi, num_stages=num_stages):
+                # At least one iteration, even for an empty band: the consumers wait for the Q
+                # load inside the loop, and O_s shares shared memory with Q_s, so a Q load left
+                # unwaited could land on O_s after the epilogue wrote it (seen on the H200:
+                # tiles with nothing visible stored nonzero rows).
+                for n in T.Pipelined(n_lo, T.max(n_hi, n_lo + 1), num_stages=num_stages):
                     T.copy(K[bz, n * block_n : (n + 1) * block_n, kvh, :], K_s)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, m0, shift, full_lo, full_hi, left, right, scale_log2)
-                    T.copy(acc_s, acc_p)
-                    for i, j in T.Parallel(block_m, dim):
-                        acc_o[i, j] *= alpha[i]
+                    if n < n_hi:
+                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        T.copy(acc_s, acc_p)
+                        for i, j in T.Parallel(block_m, dim):
+                            acc_o[i, j] *= alpha[i]
                     T.copy(V[bz, n * block_n : (n + 1) * block_n, kvh, :], V_s)
-                    T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    if n < n_hi:
+                        T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
             else:
                 T.clear(acc_p)
                 for t in T.Pipelined(n_lo, n_hi + 1, num_stages=num_stages):
