@@ -22,7 +22,6 @@ NEG_INF = -T.infinity("float32")
 
 def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
     B, R, N = T.dynamic("B R N")
-    splits = T.dynamic("splits")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
 
     @T.prim_func
