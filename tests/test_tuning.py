@@ -1,0 +1,174 @@
+"""The tuner on the CPU: search-space enumeration and pruning, the choice rule, the YAML merge, a dry run, and
+the parallel compile phase (with nvcc). The GPU phase (check and timing) runs on the device only."""
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+import mate  # noqa: F401  (registers the stages)
+from mate import _dispatch
+from tuning import cli, configfile
+from tuning.stages import TUNABLES, Tunable, candidates, rel_error
+
+CONFIG = _dispatch.config_dir() / "sm90.yaml"
+
+
+def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
+    for name, t in TUNABLES.items():
+        assert name in _dispatch.STAGES
+        assert tuple(t.space) == _dispatch.STAGES[name].params, name
+        assert {"quick", "full"} <= set(t.shapes), name
+
+
+def test_enumeration_is_the_product_split_into_legal_and_pruned():
+    t = Tunable("x", dict(a=(1, 2, 3), b=(10, 20)), lambda spec, tiles: "odd" if tiles["a"] % 2 else None, {}, None, 0.0)
+    legal, pruned = candidates(t, {})
+    assert legal == [dict(a=2, b=10), dict(a=2, b=20)]
+    assert [p for p, _ in pruned] == [dict(a=1, b=10), dict(a=1, b=20), dict(a=3, b=10), dict(a=3, b=20)]
+    assert all(why == "odd" for _, why in pruned)
+
+
+@pytest.mark.parametrize("stage, key", [(s, k) for s, e in _dispatch.load_config("sm90").items() for k in e])
+def test_committed_entries_pass_their_stage_limits(stage, key):
+    """The limits must not prune tiles that compile and run (every committed entry does, on the H200)."""
+    if stage not in TUNABLES:
+        pytest.skip(f"{stage} has no tuner entry yet")
+    entry = _dispatch.load_config("sm90")[stage][key]
+    tiles = {p: entry[p] for p in _dispatch.STAGES[stage].params}
+    assert TUNABLES[stage].limits(_dispatch.parse_key(key), tiles) is None
+
+
+@pytest.mark.parametrize(
+    "stage, spec, tiles, reason",
+    [
+        ("mqa_decode", dict(dtype="bfloat16", page_size=128), dict(block_keys=64, threads=128), "multiple of page_size"),
+        ("mqa_decode", dict(dtype="bfloat16", page_size=16), dict(block_keys=64, threads=256), "warpgroups"),
+        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=128, block_keys=256, threads=256, num_stages=2), "shared memory"),
+        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=64, block_keys=256, threads=128, num_stages=1), "registers"),
+        ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=16, threads=128, num_stages=3, min_blocks=3), "fit in one SM"),
+        ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=8, threads=128, num_stages=2, min_blocks=3), "H/G = 16"),
+        ("gqa_fwd", dict(dtype="bfloat16", dim=128, window="causal"), dict(block_m=192, block_n=128, threads=384, num_stages=2, mma_depth=2), "registers"),
+        ("gqa_fwd", dict(dtype="bfloat16", dim=128, window="causal"), dict(block_m=128, block_n=192, threads=256, num_stages=3, mma_depth=2), "shared memory"),
+    ],
+)
+def test_limits_prune_with_the_reason(stage, spec, tiles, reason):
+    why = TUNABLES[stage].limits(spec, tiles)
+    assert why is not None and reason in why, why
+
+
+def test_decide_never_picks_a_wrong_or_slower_candidate():
+    cur, fast, faster_wrong = dict(b=64), dict(b=128), dict(b=256)
+    results = [(cur, {"us": 10.0}), (fast, {"us": 9.0}), (faster_wrong, {"wrong": "relative error 1e-1"}), (dict(b=32), {"error": "x"})]
+    assert cli.decide(results, cur, 0.02) == (fast, 9.0, 10.0)
+    # Within the noise margin the current entry stays.
+    assert cli.decide(results, cur, 0.2) == (cur, 10.0, 10.0)
+    # Nothing beats it: it stays.
+    assert cli.decide([(cur, {"us": 8.0}), (fast, {"us": 9.0})], cur, 0.0) == (cur, 8.0, 8.0)
+    # A current entry that fails is replaced by any working one.
+    assert cli.decide([(cur, {"wrong": "x"}), (fast, {"us": 9.0})], cur, 0.02) == (fast, 9.0, math.inf)
+
+
+def test_rel_error_flags_nan_and_infinity_patterns():
+    import torch
+
+    ref = torch.tensor([1.0, float("-inf"), 2.0])
+    assert rel_error(ref.clone(), ref) == 0.0
+    assert rel_error(torch.tensor([1.0, 0.0, 2.0]), ref) == math.inf
+    assert rel_error(torch.tensor([1.0, float("-inf"), float("nan")]), ref) == math.inf
+    assert 0 < rel_error((ref + torch.tensor([0.0, 0.0, 1e-3]), ref), (ref, ref)) < 1e-3
+
+
+# ---------------------------------------------------------------- YAML merge
+
+TEXT = CONFIG.read_text()
+
+
+def _entry(stage, key):
+    return dict(yaml.safe_load(TEXT)[stage][key])
+
+
+def test_merge_of_unchanged_entries_round_trips():
+    data = yaml.safe_load(TEXT)
+    for stage, entries in data.items():
+        out = configfile.merge(TEXT, stage, entries)
+        assert yaml.safe_load(out) == data
+        # Comments and order survive a rewrite of every entry.
+        assert [l for l in out.splitlines() if l.startswith("#") or l.endswith(":")] == [
+            l for l in TEXT.splitlines() if l.startswith("#") or l.endswith(":")
+        ]
+
+
+def test_merge_replaces_in_place_adds_keys_and_stages():
+    key = "dtype=bfloat16,dim=128,block_size=64"  # a multi-line entry in the committed file
+    new = dict(_entry("nsa_selection", key), num_stages=1, min_blocks=4, measured='H200 2026-11-30: 28.6 ms "quoted", a: colon')
+    out = configfile.merge(TEXT, "nsa_selection", {key: new, "dtype=bfloat16,dim=256,block_size=64": dict(new, measured="")})
+    data = yaml.safe_load(out)
+    assert data["nsa_selection"][key] == new
+    assert list(data["nsa_selection"])[-1] == "dtype=bfloat16,dim=256,block_size=64"
+    assert "measured" not in data["nsa_selection"]["dtype=bfloat16,dim=256,block_size=64"]
+    assert list(data) == list(yaml.safe_load(TEXT))
+    # The entry's lines became one line in place, the new key follows the stage's last entry, nothing else moved.
+    old_lines = TEXT.splitlines()
+    i = next(n for n, l in enumerate(old_lines) if l.startswith(f"  {key}:"))
+    j = next(n for n in range(i + 1, len(old_lines)) if not old_lines[n].startswith("    "))
+    expected = old_lines[:i] + [f"  {key}: {configfile.render('nsa_selection', new)}"] + old_lines[j:]
+    last = max(n for n, l in enumerate(expected) if l.startswith("  dtype=") and n < expected.index("gqa_fwd:"))
+    expected.insert(last + 1, "  dtype=bfloat16,dim=256,block_size=64: " + configfile.render("nsa_selection", dict(new, measured="")))
+    assert out.splitlines() == expected
+    _dispatch.validate_config(data, "merged")
+
+
+def test_merge_adds_a_missing_stage_at_the_end():
+    text = "# header\nmqa_logits:\n  dtype=bfloat16,even_keys=1: {block_rows: 64, block_keys: 128, threads: 128, num_stages: 2}\n"
+    out = configfile.merge(text, "mqa_decode", {"dtype=bfloat16,page_size=16": dict(block_keys=64, threads=128)})
+    assert out.startswith(text)
+    assert yaml.safe_load(out)["mqa_decode"] == {"dtype=bfloat16,page_size=16": dict(block_keys=64, threads=128)}
+
+
+def test_write_validates_and_records_measured(tmp_path):
+    path = tmp_path / "sm90.yaml"
+    path.write_text(TEXT)
+    key = "dtype=bfloat16,page_size=16"
+    configfile.write(path, "mqa_decode", {key: dict(block_keys=128, threads=256, measured="mate-tune 2026-11-30 NVIDIA H200")})
+    assert yaml.safe_load(path.read_text())["mqa_decode"][key] == dict(block_keys=128, threads=256, measured="mate-tune 2026-11-30 NVIDIA H200")
+    with pytest.raises(_dispatch.ConfigError):
+        configfile.write(path, "mqa_decode", {key: dict(block_keys=128, threads=0)})
+    assert yaml.safe_load(path.read_text())["mqa_decode"][key]["threads"] == 256  # a refused write leaves the file
+
+
+def test_merge_refuses_a_layout_it_cannot_edit():
+    text = "mqa_decode:\n  dtype=bfloat16,page_size=16:\n    block_keys: 64\n    threads: 128\n"
+    with pytest.raises(ValueError, match="layout"):
+        configfile.merge(text, "mqa_decode", {"dtype=bfloat16,page_size=16": dict(block_keys=128, threads=128)})
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_dry_run_prints_the_space_without_compiling(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "compile_all", lambda *a, **k: pytest.fail("a dry run compiled"))
+    assert cli.main(["--stage", "mqa_decode", "--keys", "dtype=bfloat16,page_size=16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dtype=bfloat16,page_size=16: 5 candidates, 1 pruned" in out
+    assert "* block_keys=64 threads=128" in out  # the current entry, measured first
+    assert "- block_keys=64 threads=256: block_keys 64 does not give each of 2 warpgroups" in out
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_compile_only_compiles_in_parallel_and_records_failures(tmp_path, monkeypatch, capsys):
+    # Two candidates: one compiles; one passes the limits but the kernel refuses it (threads do not split the loads).
+    t = TUNABLES["mqa_decode"]
+    monkeypatch.setitem(TUNABLES, "mqa_decode", Tunable(t.stage, dict(block_keys=(64,), threads=(128, 384)), lambda s, x: None,
+                                                        t.shapes, t.workload, t.tol))
+    cache = tmp_path / "cache.json"
+    args = ["--stage", "mqa_decode", "--keys", "dtype=bfloat16,page_size=16", "--compile-only", "--jobs", "2", "--cache", str(cache)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "compiled 1 candidates, 1 failed" in out and "threads=384: FAILED" in out
+    # Resumed from the cache: nothing is compiled again.
+    monkeypatch.setattr(cli.cf, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("recompiled a cached candidate"))
+    assert cli.main(args) == 0

@@ -1,0 +1,228 @@
+"""mate-tune: search a stage's tile space on the GPU and write the winners into the tile config.
+
+For every specialization key of the stage in the config (or those named by
+--keys): enumerate the stage's declared space, prune what breaks the hardware
+limits, compile the rest in parallel on the CPU (TileLang's disk cache keeps
+them), then on the GPU run each candidate on the shape preset: every output is
+compared with the reference first (a wrong candidate is reported and never
+chosen), then timed as the median of CUDA-graph replays. A key's score is the
+geometric mean of its shapes' times; the current entry is measured in the same
+run, and a candidate replaces it only when it is faster by more than --min-gain.
+
+Every result goes to a JSON cache as soon as it is measured, keyed by GPU,
+kernel source and shapes, so an interrupted run resumes where it stopped.
+
+  mate-tune --stage mqa_decode [--keys dtype=bfloat16,page_size=16] [--shapes quick|full|FILE]
+            [--target sm90] [--write configs/sm90.yaml] [--dry-run] [--compile-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import hashlib
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from mate import _dispatch  # importing mate registers the stages
+from tuning import configfile
+from tuning.stages import TUNABLES, candidates, rel_error
+
+
+def tiles_str(tiles: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in tiles.items() if k != "measured")
+
+
+def load_shapes(stage: str, name: str) -> list[dict]:
+    """A preset of the stage, or the stage's list in a YAML/JSON file {stage: [shape, ...]}."""
+    presets = TUNABLES[stage].shapes
+    if name in presets:
+        return presets[name]
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"--shapes: {name!r} is neither a preset ({', '.join(presets)}) nor a file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if stage not in data:
+        raise SystemExit(f"--shapes {path}: no shapes for stage {stage!r}")
+    return data[stage]
+
+
+class Cache:
+    """Results by candidate, in a JSON file rewritten after each one (the resume point of an interrupted run)."""
+
+    def __init__(self, path: Path, stage: str, shapes: list[dict]):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        # A compile result holds for the kernel source it was built from, a timing also for its shapes.
+        source = hashlib.sha256(Path(inspect.getsourcefile(_dispatch.STAGES[stage].build)).read_bytes())
+        self.source = source.hexdigest()[:16]
+        source.update(json.dumps(shapes, sort_keys=True).encode())
+        self.timed = source.hexdigest()[:16]
+
+    def _key(self, where: str, key: str, tiles: dict) -> str:
+        return json.dumps([where, self.source if where == "compile" else self.timed, key, tiles], sort_keys=True)
+
+    def get(self, where, key, tiles):
+        return self.data.get(self._key(where, key, tiles))
+
+    def put(self, where, key, tiles, result):
+        self.data[self._key(where, key, tiles)] = result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=0))
+        os.replace(tmp, self.path)
+
+
+def _compile(stage: str, key: str, target: str, tiles: dict) -> str | None:
+    """Compile one candidate (in a worker process); the error's last line, or None."""
+    try:
+        _dispatch.compile_program(stage, _dispatch.parse_key(key), target, tiles)
+        return None
+    except Exception as e:  # a candidate that does not compile is reported, never chosen
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+
+
+def compile_all(jobs: list[tuple[str, dict]], stage: str, target: str, cache: Cache, workers: int, progress) -> None:
+    todo = [(key, tiles) for key, tiles in jobs if cache.get("compile", key, tiles) is None]
+    if not todo:
+        return
+    # spawn: TileLang and torch hold threads that a forked child would inherit broken.
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_compile, stage, key, target, tiles): (key, tiles) for key, tiles in todo}
+        for f in progress(cf.as_completed(futures), total=len(futures), desc=f"compile {stage}", unit="cand"):
+            key, tiles = futures[f]
+            cache.put("compile", key, tiles, {"error": f.result()})
+
+
+def measure(tunable, target, key, tiles, loads, refs) -> dict:
+    """Check every shape against the reference, then time it; {'us': geomean, 'shapes_us': [...]} or {'error'/'wrong': ...}."""
+    from tuning.measure import graph_ms
+
+    try:
+        with configfile.using_tiles(target, tunable.stage, key, tiles):
+            times = []
+            for (native, _), ref in zip(loads, refs):
+                err = rel_error(native(), ref)
+                if not err <= tunable.tol:
+                    return {"wrong": f"relative error {err:.2e} > {tunable.tol:.0e}"}
+                times.append(graph_ms(native) * 1e3)
+    except Exception as e:  # a candidate that fails to run is reported, never chosen
+        return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    return {"us": math.exp(sum(map(math.log, times)) / len(times)), "shapes_us": times}
+
+
+def decide(results: list[tuple[dict, dict]], current: dict | None, min_gain: float):
+    """(winner, its us, the current entry's us): the fastest correct candidate, or the current entry
+    unless the winner beats it by more than `min_gain` (inf where the current entry is wrong or failed)."""
+    old_us = next((r["us"] for t, r in results if t == current and "us" in r), math.inf)
+    ok = [(t, r["us"]) for t, r in results if "us" in r]
+    best, best_us = min(ok, key=lambda x: x[1]) if ok else (current, math.inf)
+    if best_us * (1 + min_gain) < old_us:
+        return best, best_us, old_us
+    return current, old_us, old_us
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mate-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", required=True, choices=sorted(TUNABLES))
+    ap.add_argument("--keys", nargs="*", help="specialization keys to tune (default: every key of the stage in the config)")
+    ap.add_argument("--shapes", default="quick", help="a preset (quick, full) or a YAML/JSON file {stage: [shape, ...]}")
+    ap.add_argument("--target", default="sm90", choices=sorted(_dispatch.TARGETS))
+    ap.add_argument("--write", type=Path, help="merge the winners into this config file (e.g. configs/sm90.yaml)")
+    ap.add_argument("--dry-run", action="store_true", help="print the space, the pruned candidates and stop")
+    ap.add_argument("--compile-only", action="store_true", help="compile the candidates into TileLang's disk cache and stop (no GPU)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile processes")
+    ap.add_argument("--min-gain", type=float, default=0.02, help="replace an entry only when faster by more than this fraction")
+    ap.add_argument("--cache", type=Path, help="results cache (default ~/.cache/mate/tune-<target>.json)")
+    args = ap.parse_args(argv)
+
+    tunable = TUNABLES[args.stage]
+    config_path = args.write or _dispatch.config_dir() / f"{args.target}.yaml"
+    entries = _dispatch.validate_config(yaml.safe_load(config_path.read_text()) or {}, config_path).get(args.stage, {})
+    keys = args.keys or list(entries)
+    shapes = load_shapes(args.stage, args.shapes)
+
+    plan = {}
+    for key in keys:
+        spec = _dispatch.parse_key(key)
+        legal, pruned = candidates(tunable, spec)
+        current = {p: entries[key][p] for p in _dispatch.STAGES[args.stage].params} if key in entries else None
+        # The current entry is always measured: it is the time to beat, in or out of the space.
+        plan[key] = ([current] if current else []) + [t for t in legal if t != current], pruned, current
+    if args.dry_run:
+        print(f"{args.stage} on {args.target}, shapes {args.shapes}: {json.dumps(shapes)}")
+        for key, (cands, pruned, current) in plan.items():
+            print(f"\n{key}: {len(cands)} candidates, {len(pruned)} pruned")
+            for t in cands:
+                print(f"  {'*' if t == current else ' '} {tiles_str(t)}")
+            for t, why in pruned:
+                print(f"  - {tiles_str(t)}: {why}")
+        return 0
+
+    from tqdm import tqdm
+
+    cache = Cache(args.cache or Path.home() / ".cache" / "mate" / f"tune-{args.target}.json", args.stage, shapes)
+    compile_all([(k, t) for k, (c, _, _) in plan.items() for t in c], args.stage, args.target, cache, args.jobs, tqdm)
+    if args.compile_only:
+        errors = [(k, t, r["error"]) for k, (c, _, _) in plan.items() for t in c if (r := cache.get("compile", k, t))["error"]]
+        for key, tiles, err in errors:
+            print(f"  {key} {tiles_str(tiles)}: FAILED {err}")
+        print(f"compiled {sum(len(c) for c, _, _ in plan.values()) - len(errors)} candidates, {len(errors)} failed")
+        return 0
+
+    import torch
+
+    from tuning.measure import environment
+
+    if not torch.cuda.is_available():
+        raise SystemExit("mate-tune: timing needs a CUDA GPU (--dry-run and --compile-only do not)")
+    env = environment()
+    rows, updates = [], {}
+    for key, (cands, _, current) in plan.items():
+        spec = _dispatch.parse_key(key)
+        loads = [tunable.workload(spec, s) for s in shapes]
+        refs = [ref() for _, ref in loads]
+        results = []
+        for tiles in tqdm(cands, desc=key, unit="cand"):
+            res = cache.get(env["gpu"], key, tiles)
+            if res is None:
+                compiled = cache.get("compile", key, tiles)
+                res = {"error": compiled["error"]} if compiled and compiled["error"] else measure(tunable, args.target, key, tiles, loads, refs)
+                cache.put(env["gpu"], key, tiles, res)
+            results.append((tiles, res))
+        del loads, refs
+        torch.cuda.empty_cache()
+        for tiles, res in results:
+            if "us" not in res:
+                print(f"  {key} {tiles_str(tiles)}: {'WRONG' if 'wrong' in res else 'FAILED'} {res.get('wrong') or res.get('error')}")
+        new, new_us, old_us = decide(results, current, args.min_gain)
+        rows.append(dict(key=key, old=current, old_us=old_us, new=new, new_us=new_us,
+                         wrong=sum("wrong" in r for _, r in results), failed=sum("error" in r for _, r in results)))
+        if new != current:
+            was = f"{old_us:.1f} us" if math.isfinite(old_us) else "no working entry"
+            updates[key] = dict(new, measured=f"mate-tune {datetime.date.today()} {env['gpu']}, shapes {args.shapes}: "
+                                             f"{new_us:.1f} us geomean (was {was}: {tiles_str(current or {})})")
+
+    print(f"\n{args.stage} on {env['gpu']}, shapes {args.shapes}, commit {env['commit']}; times: geomean over the shapes of CUDA-graph medians")
+    print(f"{'key':<36} {'old tiles':<44} {'old us':>9} {'new tiles':<44} {'new us':>9} {'speedup':>7} {'wrong':>5} {'failed':>6}")
+    for r in rows:
+        print(f"{r['key']:<36} {tiles_str(r['old'] or {}):<44} {r['old_us']:>9.1f} {tiles_str(r['new'] or {}):<44} {r['new_us']:>9.1f} "
+              f"{r['old_us'] / r['new_us']:>7.3f} {r['wrong']:>5} {r['failed']:>6}")
+    if args.write and updates:
+        configfile.write(args.write, args.stage, updates)
+        print(f"wrote {len(updates)} entr{'y' if len(updates) == 1 else 'ies'} to {args.write}")
+    elif args.write:
+        print(f"{args.write} unchanged: no candidate beat the current entries by more than {args.min_gain:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

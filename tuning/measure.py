@@ -1,0 +1,80 @@
+"""Timing and run metadata shared by the tuner and the benchmarks (benchmarks/common.py re-exports them)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median of triton.testing.do_bench (warm-up and repetitions in ms of GPU time)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def capture_graph(fn, calls: int = 1):
+    """Warm `fn` up on a side stream, then capture `calls` back-to-back calls in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_ms(fn, target_ms: float = 0.5, warmup: int = 25, rep: int = 100) -> float:
+    """Per-call median of CUDA-graph replays of back-to-back calls: kernel time without the host launch cost.
+
+    Enough calls go into one graph that a replay lasts about `target_ms`, so
+    microsecond kernels are not timed against the event resolution.
+    """
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    calls = max(1, min(200, math.ceil(target_ms / max(start.elapsed_time(stop), 1e-3))))
+    graph = capture_graph(fn, calls)
+    return median_ms(graph.replay, warmup, rep) / calls
+
+
+def commit() -> str:
+    """The source commit: MATE_COMMIT (set it where the tree has no .git), else git's HEAD, '+dirty' if mate/ or configs/ differ."""
+    if os.environ.get("MATE_COMMIT"):
+        return os.environ["MATE_COMMIT"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mate", "configs"], capture_output=True, text=True, cwd=ROOT)
+    except OSError:
+        return "unknown"
+    return (sha + ("+dirty" if dirty.stdout.strip() else "")) if sha else "unknown"
+
+
+def environment() -> dict:
+    """What a result needs to be reproduced: GPU, commit, date, versions and the command line."""
+    import tilelang
+
+    return dict(
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        commit=commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        tilelang=tilelang.__version__,
+    )
