@@ -2,14 +2,21 @@
 
 Every entrypoint takes backend="tilelang" (native kernels, the default; raises
 ValueError for anything unsupported) or backend="reference" (the PyTorch FP32
-oracle, any device).
+oracle, any device). Under torch.compile each call is one torch.ops.mate op.
 """
 
-from mate.nsa.selection import nsa_selection_attention
-from mate.qsa.attention import qsa_sparse_attention
-from mate.qsa.indexer import qsa_indexer_mqa_score, qsa_mqa, qsa_mqa_decode, qsa_mqa_prefill
-from mate.qsa.merge import merge_attention_states
-from mate.swa.attention import build_gqa_attn, gqa_attention
+# The stages' entrypoints, registered as torch.library ops (torch.ops.mate.*) for torch.compile.
+from mate._ops import (
+    build_gqa_attn,
+    gqa_attention,
+    merge_attention_states,
+    nsa_selection_attention,
+    qsa_indexer_mqa_score,
+    qsa_mqa,
+    qsa_mqa_decode,
+    qsa_mqa_prefill,
+    qsa_sparse_attention,
+)
 
 __all__ = [
     "build_gqa_attn",

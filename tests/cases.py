@@ -1,0 +1,348 @@
+"""Every native path as one case: small inputs full of edge cases, the public call, a metadata refresh.
+
+The CUDA Graph, sync-debug, determinism and torch.compile tests and the
+sanitizer script (tests/sanitize.py) iterate over CASES, so a new native path
+is one entry there. `make(device, gen)` builds a Problem on `device`:
+
+- `call(backend)` runs the public entrypoint and returns its output tensors
+  (a tuple); with backend="tilelang" it runs the native kernel, with
+  "reference" the oracle on the same inputs;
+- `refresh()` writes new random metadata (and data) into the same buffers, as a
+  server does between CUDA Graph replays;
+- `tol`: relative norm error allowed between native and reference.
+
+Inputs cover -1 pads, ids past the capacity, -1 and past-the-pool pages, empty
+rows and requests, duplicates, odd sizes and sliced views with storage offsets.
+Views are cut from the end of their base tensors, so a read past a view runs
+off the allocation, where compute-sanitizer sees it. Random values come from
+`gen` (a CPU generator), so a case is the same on every device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import mate
+
+I32 = torch.int32
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Problem:
+    call: Callable[[str], tuple]
+    refresh: Callable[[], None]
+    tol: float = 1e-2
+
+
+def randn(gen, *shape, device, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def randint(gen, lo, hi, shape, device):
+    return torch.randint(lo, hi, shape, generator=gen, dtype=I32).to(device)
+
+
+def tail_view(gen, shape, *, device, pad_rows=3, pad_cols=0, dtype=BF16):
+    """A view of `shape` at a storage offset (pad_rows leading rows, pad_cols leading features), ending where its base ends."""
+    base = randn(gen, shape[0] + pad_rows, *shape[1:-1], shape[-1] + pad_cols, device=device, dtype=dtype)
+    return base[pad_rows:, ..., pad_cols:]
+
+
+# ---------------------------------------------------------------- MQA indexer (H = 4, D = 128)
+
+
+def mqa_score(device, gen):
+    B, Q, N = 3, 37, 45
+    q = tail_view(gen, (B, Q, 4, 128), device=device, pad_cols=8)
+    k = tail_view(gen, (B, N, 128), device=device, pad_rows=1)
+    pos = torch.zeros(B, Q, dtype=I32, device=device)
+    lens = torch.zeros(B, dtype=I32, device=device)
+
+    def refresh():
+        pos.copy_(randint(gen, -3, 4 * N + 8, (B, Q), device))  # negative and past the keys
+        lens.copy_(torch.tensor([Q, int(torch.randint(0, Q, (1,), generator=gen)), 0], dtype=I32))  # an empty request
+
+    def call(backend):
+        return (mate.qsa_indexer_mqa_score(q, k, query_positions=pos, seq_lens_q=lens, scale=0.7, backend=backend),)
+
+    refresh()
+    return Problem(call, refresh, tol=1e-4)
+
+
+def mqa_prefill(device, gen):
+    rows, keys = 53, 75
+    q = tail_view(gen, (rows, 4, 128), device=device)
+    k = tail_view(gen, (keys, 128), device=device, pad_rows=5, pad_cols=16)
+    meta = torch.zeros(2 * rows + 1, dtype=I32, device=device)
+    starts, ends = meta[1::2], meta[:-1:2]  # strided metadata at an offset
+
+    def refresh():
+        s = randint(gen, -4, keys, (rows,), device)
+        starts.copy_(s)
+        ends.copy_(s + randint(gen, -5, keys // 2 + 5, (rows,), device))  # empty, inverted and past-the-end intervals
+
+    def call(backend):
+        return (mate.qsa_mqa_prefill(q, k, starts, ends, backend=backend),)
+
+    refresh()
+    return Problem(call, refresh, tol=1e-4)
+
+
+def mqa_decode(device, gen):
+    B, pages, ps, max_pages = 5, 9, 16, 4
+    q = tail_view(gen, (B, 4, 128), device=device, pad_rows=1)
+    cache = tail_view(gen, (pages, ps, 1, 128), device=device, pad_rows=1)
+    table = torch.zeros(B, max_pages, dtype=I32, device=device)
+    ctx = torch.zeros(B, dtype=I32, device=device)
+
+    def refresh():
+        t = randint(gen, 0, pages, (B, max_pages), device)
+        t[0, 1], t[1, 0], t[2, -1] = -1, pages, pages + 1000  # missing and past-the-pool pages
+        table.copy_(t)
+        c = randint(gen, 1, max_pages * ps + 1, (B,), device)
+        c[3], c[4] = 0, max_pages * ps + 40  # empty, past the table
+        ctx.copy_(c)
+
+    def call(backend):
+        return (mate.qsa_mqa_decode(q, cache, table, ctx, max_pages * ps + 5, backend=backend),)  # a -inf tail
+
+    refresh()
+    return Problem(call, refresh, tol=1e-4)
+
+
+# ---------------------------------------------------------------- NSA selection
+
+
+def nsa_indices(gen, B, M, G, T, N, block_size, device):
+    """Visible blocks, -1 pads, other negatives, future and past-the-end blocks, duplicates, INT32_MAX."""
+    n_blocks = math.ceil(N / block_size)
+    idx = torch.randint(-2, n_blocks + 3, (B, M, G, T), generator=gen, dtype=I32)
+    idx[..., 0] = torch.randint(0, max(1, n_blocks // 2), (B, M, G), generator=gen, dtype=I32)
+    idx[..., 2] = idx[..., 0]
+    idx[..., 3] = -1
+    idx[0, 0, 0, 4] = 2**31 - 1
+    return idx.to(device)
+
+
+def nsa_selection(device, gen):
+    B, M, N, G, hpg, D, T, bs = 2, 37, 150, 2, 3, 64, 6, 32
+    q = tail_view(gen, (B, M, G * hpg, D), device=device, pad_cols=8)
+    kv = tail_view(gen, (B, N, 2, G, D), device=device)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    idx = torch.zeros(B, M, G, 2 * T, dtype=I32, device=device)[..., 1::2]  # strided at an offset
+    counts = torch.zeros(B, M, G, dtype=I32, device=device)
+    out = torch.empty(B, M, G * hpg, D + 8, dtype=BF16, device=device)[..., 8:]
+    lse = torch.empty(B, G * hpg, M, device=device)
+
+    def refresh():
+        idx.copy_(nsa_indices(gen, B, M, G, T, N, bs, device))
+        counts.copy_(randint(gen, -1, T + 2, (B, M, G), device))
+        q.copy_(randn(gen, *q.shape, device=device))
+
+    def call(backend):
+        if backend == "reference":
+            return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, block_counts=counts, backend=backend)
+        return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, block_counts=counts, out=out, lse=lse)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+# ---------------------------------------------------------------- GQA
+
+
+def gqa(window, Sq, Sk, D):
+    def make(device, gen):
+        B, H, Hkv = 2, 4, 2
+        packed = tail_view(gen, (B, max(Sq, Sk), H + 2 * Hkv, D), device=device, pad_rows=1)
+        q, k, v = packed[:, :Sq, :H], packed[:, -Sk:, H : H + Hkv], packed[:, -Sk:, H + Hkv :]
+        out = torch.empty(B, Sq, H, D, dtype=BF16, device=device)
+
+        def refresh():
+            q.copy_(randn(gen, *q.shape, device=device))
+            v.copy_(randn(gen, *v.shape, device=device))
+
+        def call(backend):
+            o = out if backend == "tilelang" else None
+            return mate.gqa_attention(q, k, v, sliding_window=window, out=o, return_lse=True, backend=backend)
+
+        return Problem(call, refresh)
+
+    return make
+
+
+def gqa_launcher(device, gen):
+    B, S, H, Hkv, D = 2, 33, 4, 1, 128
+    stride = (H + 2 * Hkv) * D + 64  # padded rows
+    packed = tail_view(gen, (B * S, stride), device=device, pad_rows=1)
+    q, k, v = packed[:, : H * D], packed[:, H * D : (H + Hkv) * D], packed[:, (H + Hkv) * D : (H + 2 * Hkv) * D]
+    o = torch.empty(B * S, H * D, dtype=BF16, device=device)
+    launch = mate.build_gqa_attn(B, H, Hkv, D, sliding_window=(-1, 0))
+
+    def four(x, heads):
+        return x.as_strided((B, S, heads, D), (S * stride, stride, D, 1))
+
+    def refresh():
+        packed.copy_(randn(gen, *packed.shape, device=device))
+
+    def call(backend):
+        if backend == "reference":
+            return (mate.gqa_attention(four(q, H), four(k, Hkv), four(v, Hkv), sliding_window=(-1, 0), backend=backend),)
+        return (launch(q, k, v, o, stride, stride, stride, H * D, S, S).view(B, S, H, D),)
+
+    return Problem(call, refresh)
+
+
+# ---------------------------------------------------------------- QSA sparse attention and SplitKV merge
+
+
+def merge_states(device, gen):
+    splits, rows, heads, D = 3, 29, 4, 128
+    po = tail_view(gen, (splits, rows, heads, D), device=device, pad_rows=1)
+    pl = torch.zeros(splits, rows, heads, device=device)
+    gate = randn(gen, rows, heads, device=device, dtype=torch.float32)
+
+    def refresh():
+        lse = torch.randn(splits, rows, heads, generator=gen) * 4
+        lse[torch.rand(splits, rows, heads, generator=gen) < 0.3] = float("-inf")
+        lse[:, 1] = float("-inf")  # a row with every split empty
+        pl.copy_(lse)
+        po.copy_(randn(gen, *po.shape, device=device).masked_fill(torch.isinf(pl).unsqueeze(-1), float("nan")))
+
+    def call(backend):
+        return mate.merge_attention_states(po, pl, gate=gate, backend=backend)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+def qsa_tokens(gen, rows, width, cap, device):
+    """Request-local token ids: -1 pads (the middle too), ids past the cache, duplicates, an all -1 row."""
+    t = torch.randint(-1, cap + 3, (rows, width), generator=gen, dtype=I32)
+    t[:, width // 2] = -1
+    t[:, -1] = t[:, 0]
+    t[0] = -1
+    return t.to(device)
+
+
+def qsa_paged(device, gen):
+    """Flattened query rows of two requests over a paged pool with missing pages."""
+    n_req, hq, hkv, D, ps, pages, max_pages, width = 2, 8, 1, 256, 16, 5, 3, 19
+    rows = 13
+    query = tail_view(gen, (rows, hq, D), device=device)
+    key = tail_view(gen, (pages, ps, hkv, D), device=device)
+    value = tail_view(gen, (pages, ps, hkv, D), device=device)
+    cu = torch.tensor([0, 6, rows], dtype=I32, device=device)
+    table = torch.zeros(n_req, max_pages, dtype=I32, device=device)
+    lens_k = torch.zeros(n_req, dtype=I32, device=device)
+    tokens = torch.zeros(rows, width, dtype=I32, device=device)
+
+    def refresh():
+        t = randint(gen, 0, pages, (n_req, max_pages), device)
+        t[0, 1], t[1, 2] = -1, pages + 7
+        table.copy_(t)
+        lens_k.copy_(randint(gen, 1, max_pages * ps + 1, (n_req,), device))
+        tokens.copy_(qsa_tokens(gen, rows, width, max_pages * ps, device))
+
+    def call(backend):
+        return mate.qsa_sparse_attention(query, key, value, tokens, cu_seqlens_q=cu, block_table=table, page_size=ps,
+                                         seq_lens_k=lens_k, return_lse=True, backend=backend)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+def qsa_padded(device, gen):
+    B, Q, S, hq, hkv, D, width = 2, 5, 40, 8, 2, 256, 11
+    query = tail_view(gen, (B, Q, hq, D), device=device)
+    key = tail_view(gen, (B, S, hkv, D), device=device)
+    value = tail_view(gen, (B, S, hkv, D), device=device)
+    tokens = torch.zeros(B, Q, width, dtype=I32, device=device)
+    lens_q = torch.tensor([Q, 2], dtype=I32, device=device)  # padded rows
+
+    def refresh():
+        tokens.copy_(qsa_tokens(gen, B * Q, width, S, device).view(B, Q, width))
+
+    def call(backend):
+        return mate.qsa_sparse_attention(query, key, value, tokens, seq_lens_q=lens_q, return_lse=True, backend=backend)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+def qsa_physical(device, gen):
+    rows, N, hq, hkv, D, width = 11, 50, 16, 1, 256, 9
+    query = tail_view(gen, (rows, hq, D), device=device)
+    key = tail_view(gen, (N, hkv, D), device=device)
+    value = tail_view(gen, (N, hkv, D), device=device)
+    ids = torch.zeros(rows, width, dtype=I32, device=device)
+    out = torch.empty(rows, hq, D, dtype=BF16, device=device)
+    lse = torch.empty(rows, hq, device=device)
+
+    def refresh():
+        ids.copy_(qsa_tokens(gen, rows, width, N, device))
+
+    def call(backend):
+        if backend == "reference":
+            return mate.qsa_sparse_attention(query, key, value, selected_kv_indices=ids, return_lse=True, backend=backend)
+        return mate.qsa_sparse_attention(query, key, value, selected_kv_indices=ids, out=out, lse=lse, return_lse=True)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+CASES = {
+    "mqa_score": mqa_score,
+    "mqa_prefill": mqa_prefill,
+    "mqa_decode": mqa_decode,
+    "nsa_selection": nsa_selection,
+    "gqa_local": gqa((16, 0), 45, 70, 64),
+    "gqa_causal_short_keys": gqa((-1, 0), 70, 45, 128),  # the first 25 rows see nothing
+    "gqa_launcher": gqa_launcher,
+    "merge_states": merge_states,
+    "qsa_paged": qsa_paged,
+    "qsa_padded": qsa_padded,
+    "qsa_physical": qsa_physical,
+}
+
+# The message of a stage whose native path is not written yet (merge, QSA attention today).
+NOT_YET = re.compile(r"no \w+ kernels? yet")
+
+
+def native(problem: Problem) -> tuple:
+    """The native outputs; skips the test while the stage has no native path."""
+    try:
+        return problem.call("tilelang")
+    except ValueError as e:
+        if NOT_YET.search(str(e)):
+            pytest.skip(str(e))
+        raise
+
+
+def assert_matches(got: tuple, want: tuple, tol: float) -> None:
+    """Same shapes, no NaN, the same -inf pattern, finite values within tol (relative norm)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape, (g.shape, w.shape)
+        g, w = g.detach().cpu().double(), w.detach().cpu().double()
+        assert not torch.isnan(g).any(), "NaN in the output (unwritten element?)"
+        assert torch.equal(torch.isinf(g), torch.isinf(w)), "-inf pattern differs"
+        assert torch.equal(g[torch.isinf(g)], w[torch.isinf(w)])
+        fin = torch.isfinite(w)
+        if fin.any():
+            err = (g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)
+            assert err <= tol, f"relative error {err:.3e}"
+
+
+def bitwise_equal(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b)
+    )

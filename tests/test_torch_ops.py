@@ -1,0 +1,202 @@
+"""The torch.library ops behind the public entrypoints: schemas and fake kernels (opcheck), torch.compile
+with fullgraph=True against eager, out buffers and errors under compile.
+
+CPU tests run the reference backend on the cases of tests/cases.py; the GPU
+test (`pytest -m gpu`) compiles every native case.
+"""
+
+import inspect
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mate
+from cases import CASES, bitwise_equal, native
+from mate import _ops
+from mate.nsa import selection
+from mate.qsa import attention, indexer, merge
+from mate.swa import attention as swa
+
+OPS = {
+    "qsa_indexer_mqa_score": indexer.qsa_indexer_mqa_score,
+    "qsa_mqa_prefill": indexer.qsa_mqa_prefill,
+    "qsa_mqa_decode": indexer.qsa_mqa_decode,
+    "nsa_selection_attention": selection.nsa_selection_attention,
+    "gqa_attention": swa.gqa_attention,
+    "merge_attention_states": merge.merge_attention_states,
+    "qsa_sparse_attention": attention.qsa_sparse_attention,
+}
+
+
+def fresh(name, device="cpu"):
+    return CASES[name](device, torch.Generator().manual_seed(7))
+
+
+def clone(outs):
+    return tuple(o.clone() for o in outs)
+
+
+class RecordMateOps(TorchDispatchMode):
+    """Records every torch.ops.mate call with its (real) arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "mate":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def test_every_entrypoint_is_an_op_with_its_signature_and_docstring():
+    public = set(mate.__all__) - {"build_gqa_attn", "qsa_mqa"}
+    assert public == set(OPS)
+    for name, impl in OPS.items():
+        assert isinstance(getattr(torch.ops.mate, name).default, torch._ops.OpOverload)
+        entry = getattr(mate, name)
+        assert entry is not impl and entry.__doc__ == impl.__doc__
+        assert inspect.signature(entry) == inspect.signature(impl)
+    assert mate.qsa_mqa is mate.qsa_mqa_prefill
+    assert mate.build_gqa_attn.__doc__ == swa.build_gqa_attn.__doc__
+    assert inspect.signature(mate.build_gqa_attn) == inspect.signature(swa.build_gqa_attn)
+    assert isinstance(torch.ops.mate.gqa_launch.default, torch._ops.OpOverload)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "gqa_launcher"])  # the launcher is native only
+def test_op_route_matches_direct_call_and_passes_opcheck(name, monkeypatch):
+    """Through torch.ops.mate the results are bitwise those of the direct call; each op call passes opcheck
+    (declared mutations are the real ones, the fake kernel gives the real shapes, AOT dispatch works)."""
+    direct = fresh(name).call("reference")
+    with monkeypatch.context() as m, RecordMateOps() as rec:
+        m.setattr(_ops, "_compiling", lambda: True)  # the path the wrappers take under torch.compile, in eager mode
+        via_op = fresh(name).call("reference")
+    assert bitwise_equal(via_op, direct)
+    assert len(rec.calls) == 1
+    func, args, kwargs = rec.calls[0]
+    torch.library.opcheck(func, args, kwargs)
+
+
+def compile_and_count(fn, seen):
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "gqa_launcher"])
+def test_compile_fullgraph_matches_eager(name):
+    torch._dynamo.reset()
+    p = fresh(name)
+    eager = clone(p.call("reference"))
+    seen = []
+    got = compile_and_count(lambda: p.call("reference"), seen)()
+    assert bitwise_equal(got, eager)
+    assert sum(getattr(t, "namespace", None) == "mate" for t in seen) == 1, seen
+
+
+class Pipeline(torch.nn.Module):
+    """A decode step calling several entrypoints, for the default (inductor) backend."""
+
+    def forward(self, q_idx, k_cache, table, ctx, q, k, v, idx):
+        scores = mate.qsa_mqa_decode(q_idx, k_cache, table, ctx, 64, backend="reference")
+        o, lse = mate.nsa_selection_attention(q, k, v, idx, block_size=16, backend="reference")
+        g = mate.gqa_attention(q, k, v, sliding_window=(8, 0), backend="reference")
+        return scores.amax(-1), o + g, lse
+
+
+def test_module_compiles_with_inductor_without_graph_breaks():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    args = (
+        torch.randn(3, 4, 32, generator=gen), torch.randn(6, 16, 32, generator=gen),
+        torch.tensor([[0, 5, -1, 2], [1, 9, 3, 4], [-1, -1, -1, -1]], dtype=torch.int32), torch.tensor([40, 64, 10], dtype=torch.int32),
+        torch.randn(2, 24, 4, 16, generator=gen), torch.randn(2, 40, 2, 16, generator=gen), torch.randn(2, 40, 2, 16, generator=gen),
+        torch.randint(-1, 3, (2, 24, 2, 3), generator=gen, dtype=torch.int32),
+    )
+    model = Pipeline()
+    eager = model(*args)
+    got = torch.compile(model, fullgraph=True)(*args)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_compile_writes_out_buffers_in_place():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 9, 4, 16, generator=gen) for _ in range(3))
+    idx = torch.randint(-1, 3, (1, 9, 4, 2), generator=gen, dtype=torch.int32)
+    out_big = torch.full((1, 9, 4, 20), float("nan"))
+    lse_big = torch.full((1, 4, 12), float("nan"))
+    out, lse = out_big[..., 2:18], lse_big[..., 3:]
+    po = torch.randn(3, 9, 4, 16, generator=gen)
+    pl = torch.randn(3, 9, 4, generator=gen)
+    m_big = torch.full((9, 4, 17), float("nan"))
+    m_out = m_big[..., 1:]
+
+    def step(out, lse, m_out):
+        a = mate.nsa_selection_attention(q, k, v, idx, block_size=4, out=out, lse=lse, backend="reference")
+        b = mate.gqa_attention(q, k, v, sliding_window=(-1, 0), out=out_g, backend="reference")
+        c = mate.merge_attention_states(po, pl, out=m_out, backend="reference")
+        return a, b, c
+
+    out_g = torch.empty(1, 9, 4, 16)
+    (o, l), g, (mo, ml) = torch.compile(step, fullgraph=True, backend="aot_eager")(out, lse, m_out)
+    assert o is out and l is lse and g is out_g and mo is m_out
+    ref_o, ref_l = mate.nsa_selection_attention(q, k, v, idx, block_size=4, backend="reference")
+    assert torch.equal(out, ref_o) and torch.equal(lse, ref_l)
+    assert torch.equal(out_g, mate.gqa_attention(q, k, v, sliding_window=(-1, 0), backend="reference"))
+    assert torch.equal(m_out, mate.merge_attention_states(po, pl, backend="reference")[0])
+    assert torch.isnan(out_big[..., :2]).all() and torch.isnan(out_big[..., 18:]).all()
+    assert torch.isnan(lse_big[..., :3]).all() and torch.isnan(m_big[..., 0]).all()
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(block_indices=torch.zeros(1, 4, 2, 3, dtype=torch.int64)), TypeError, "block_indices must be an int32"),
+    (dict(block_indices=torch.zeros(1, 5, 2, 3, dtype=torch.int32)), ValueError, "block_indices must be"),
+    (dict(out=torch.empty(1, 4, 4, 8)), ValueError, "out must have shape"),
+    (dict(scale=-1.0), ValueError, "scale must be a positive"),
+])
+def test_compile_raises_the_documented_errors(bad, exc, match):
+    """The checks run in the op's real kernel: a compiled call raises what the eager call raises."""
+    torch._dynamo.reset()
+    kw = dict(q=torch.randn(1, 4, 4, 16), k=torch.randn(1, 8, 2, 16), v=torch.randn(1, 8, 2, 16),
+              block_indices=torch.zeros(1, 4, 2, 3, dtype=torch.int32), block_size=4, backend="reference")
+    kw.update(bad)
+    with pytest.raises(exc, match=match):
+        mate.nsa_selection_attention(**kw)
+    with pytest.raises(exc, match=match):
+        torch.compile(lambda: mate.nsa_selection_attention(**kw), fullgraph=True, backend="aot_eager")()
+
+
+def test_qsa_logical_lse_buffer_rejected_under_compile():
+    torch._dynamo.reset()
+    p = dict(query=torch.randn(1, 3, 2, 8), key=torch.randn(1, 5, 1, 8), value=torch.randn(1, 5, 1, 8),
+             token_indices=torch.zeros(1, 3, 2, dtype=torch.int32), lse=torch.empty(1, 3, 2), backend="reference")
+    with pytest.raises(ValueError, match="lse= is the output buffer of selected_kv_indices"):
+        torch.compile(lambda: mate.qsa_sparse_attention(**p), fullgraph=True, backend="aot_eager")()
+
+
+def test_launcher_traces_as_one_op():
+    """The launch is native only: on the CPU the compiled call reaches the op and raises its ValueError (no graph break)."""
+    torch._dynamo.reset()
+    launch = mate.build_gqa_attn(1, 2, 1, 64)
+    q, k, v, o = (torch.zeros(4, n, dtype=torch.bfloat16) for n in (128, 64, 64, 128))
+    seen = []
+    fn = compile_and_count(lambda: launch(q, k, v, o, 128, 64, 64, 128, 4, 4), seen)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fn()
+    assert torch.ops.mate.gqa_launch.default in seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_native_is_bitwise_eager(name):
+    torch._dynamo.reset()
+    p = fresh(name, "cuda")
+    eager = clone(native(p))
+    got = torch.compile(lambda: p.call("tilelang"), fullgraph=True)()
+    assert bitwise_equal(got, eager)
