@@ -8,9 +8,9 @@ dense causal only; FlexAttention runs every window, compiled once per (D, S)
 with the window as a captured tensor, its BlockMask built exactly from the
 band (partial and full 128x128 blocks).
 
-Each implementation is timed as CUDA-Graph replays of `--calls` back-to-back
-calls (host launch cost excluded, the same for all three), median of
-`--reps` replays. Every row also records mate's relative error against
+Each implementation is timed as CUDA-Graph replays of back-to-back calls
+(about 40 ms a replay; host launch cost excluded, the same for all three),
+median of triton.testing.do_bench (benchmarks/common.py). Every row also records mate's relative error against
 FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
 
   python benchmarks/bench_gqa.py [--dims 128 64] [--lengths 4096 16384 65536] [--depths]
@@ -24,17 +24,13 @@ what it measured.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
+from common import PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
 from mate import _dispatch
@@ -80,67 +76,28 @@ def band_block_mask(s: int, left: int, right: int, mask_mod, device):
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod)
 
 
-def graph_time_ms(fn, calls: int, reps: int) -> float:
-    """Median over `reps` replays of a CUDA graph holding `calls` back-to-back calls, per call."""
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    times.sort()
-    del g
-    return times[len(times) // 2]
+def timed_ms(fn) -> float:
+    return graph_ms(fn, target_ms=40)
 
 
-def calls_for(est_ms: float) -> int:
-    return max(3, min(200, int(40.0 / max(est_ms, 1e-3))))
+REPORT = dict(stage="gqa_fwd", quick=["--dims", "128", "--lengths", "4096", "16384", "--windows", "4096,0", "-1,0"], full=[])
 
 
-def quick_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(3):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 3
+def figures(result):
+    figs = []
+    rows = [r for r in result["rows"] if "mate_ms" in r]
+    for dim, window in sorted({(r["dim"], tuple(r["window"])) for r in rows}):
+        rs = [r for r in rows if (r["dim"], tuple(r["window"])) == (dim, window)]
+        lines = {"mate": [(r["seq"], r["mate_tflops"]) for r in rs],
+                 "FlexAttention": [(r["seq"], r["flex_tflops"]) for r in rs if "flex_tflops" in r],
+                 "cuDNN SDPA": [(r["seq"], r["cudnn_tflops"]) for r in rs if "cudnn_tflops" in r],
+                 "roofline": [(r["seq"], PEAK_FLOPS / 1e12) for r in rs]}
+        name = "causal" if window == (-1, 0) else f"window {window}"
+        figs.append(figure(f"GQA H=64/8, D={dim}, {name}", "tokens (Sq = Sk)", "TFLOP/s", lines))
+    return figs
 
 
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mate", "benchmarks", "configs"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
-        return sha + ("+dirty" if dirty else "") if sha else "unknown"
-    except OSError:
-        return os.environ.get("MATE_GIT_COMMIT", "unknown")
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -149,33 +106,23 @@ def main():
     ap.add_argument("--extra", type=str, action="append", default=[],
                     help="DIM:key=value,... also time these tile overrides for head dim DIM, e.g. 64:block_m=192,threads=384")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", type=str, default="benchmarks/results/gqa_h200.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=str, default=str(RESULTS / "gqa_h200.json"))
+    args = ap.parse_args(argv)
     windows = WINDOWS if args.windows is None else [tuple(int(x) for x in w.split(",")) for w in args.windows]
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
     target = _dispatch.target_of(torch.empty(0, device=dev), "probe")
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "git_commit": os.environ.get("MATE_GIT_COMMIT") or git_commit(),
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "tilelang": __import__("tilelang").__version__,
+        **environment(),
         "shape": {"B": B, "H": H, "H_kv": HKV, "dtype": "bfloat16", "layout": "BSHD"},
         "flops": "4 * B * H * D * visible (query, key) pairs",
         "timing": "CUDA-Graph replay of back-to-back calls, median per call",
         "config": {},
         "rows": [],
     }
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-
     def save():
-        out_path.write_text(json.dumps(meta, indent=1) + "\n")
+        write_json(args.out, meta)
 
     flex = None
     if not args.no_flex:
@@ -211,8 +158,7 @@ def main():
                     def run_mate():
                         return mate.gqa_attention(q, k, v, sliding_window=(left, right), out=out)
 
-                    est = quick_ms(run_mate)
-                    ms = graph_time_ms(run_mate, calls_for(est), args.reps)
+                    ms = timed_ms(run_mate)
                     row.update(mate_ms=ms, mate_tflops=flops / ms / 1e9, mma_depth=tiles["mma_depth"])
                     mate_out = out.clone()
 
@@ -225,7 +171,7 @@ def main():
                         def run_other():
                             kern(q, k, v, out2, lse, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
 
-                        ms2 = graph_time_ms(run_other, calls_for(est), args.reps)
+                        ms2 = timed_ms(run_other)
                         row["other_depth"] = {"mma_depth": other["mma_depth"], "ms": ms2, "tflops": flops / ms2 / 1e9,
                                               "err_vs_mate": rel_err(out2, mate_out)}
 
@@ -241,7 +187,7 @@ def main():
                         def run_extra():
                             kern(q, k, v, out3, lse3, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
 
-                        ms3 = graph_time_ms(run_extra, calls_for(est), args.reps)
+                        ms3 = timed_ms(run_extra)
                         row.setdefault("extra", []).append({"tiles": dict(tiles, **over), "ms": ms3, "tflops": flops / ms3 / 1e9,
                                                             "err_vs_mate": rel_err(out3, mate_out)})
 
@@ -256,7 +202,7 @@ def main():
                         ref = run_flex()
                         torch.cuda.synchronize()
                         row["flex_first_call_s"] = time.time() - tc
-                        fms = graph_time_ms(run_flex, calls_for(quick_ms(run_flex)), args.reps)
+                        fms = timed_ms(run_flex)
                         row.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, speedup_vs_flex=fms / ms,
                                    err_vs_flex=rel_err(mate_out, ref.transpose(1, 2)))
 
@@ -280,7 +226,7 @@ def main():
                             kx = kt.repeat_interleave(H // HKV, dim=1)
                             vx = vt.repeat_interleave(H // HKV, dim=1)
                             ref = run_cudnn()
-                        cms = graph_time_ms(run_cudnn, calls_for(quick_ms(run_cudnn)), args.reps)
+                        cms = timed_ms(run_cudnn)
                         row.update(cudnn_ms=cms, cudnn_tflops=flops / cms / 1e9, cudnn_native_gqa=gqa,
                                    speedup_vs_cudnn=cms / ms, err_vs_cudnn=rel_err(mate_out, ref.transpose(1, 2)))
                 except Exception as e:  # keep measuring the other rows
@@ -312,6 +258,7 @@ def main():
         if "error" in r:
             line += " ERR " + r["error"][:60]
         print(line)
+    return meta
 
 
 if __name__ == "__main__":

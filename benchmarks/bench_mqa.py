@@ -1,64 +1,42 @@
 """MQA indexer benchmark: native TileLang vs the mate reference vs a plain torch einsum+relu.
 
 Shapes (issue 2):
-  prefill - 8192 query rows at positions 24576..32767 of a 32768-token request
-            against its 8192 compressed keys, row_start = 0, row_end = (pos+1)//4;
-  decode  - batch 1 and 64, 8192 compressed keys per request, page size 16,
-            distinct pages per request.
+  prefill - R query rows (--rows; the issue's case is 8192) at the last R positions
+            of a 32768-token request against its 8192 compressed keys,
+            row_start = 0, row_end = (pos+1)//4;
+  decode  - batches --batches (the issue's are 1 and 64), 8192 compressed keys per
+            request, page size 16, distinct pages per request.
 
 FLOPs count visible scores only (4 heads x 128 x 2 per visible (row, key));
 bytes are each input read once plus the FP32 output written once. The roofline
 is max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s), the bf16 matrix rate and copy
 bandwidth measured on an H200 here. Times are medians of
 triton.testing.do_bench; decode is also timed as CUDA-Graph replays, which
-removes the host launch cost. Decode inputs rotate over several copies so the
+removes the host launch cost (benchmarks/common.py). Decode inputs rotate over several copies so the
 keys do not sit in L2 between runs.
 
-  python benchmarks/bench_mqa.py [--sweep] [--out benchmarks/results/mqa.json]
+  python benchmarks/bench_mqa.py [--rows 8192] [--batches 1 64] [--sweep] [--out benchmarks/results/mqa.json]
 
 --sweep also times candidate tile configs (each checked against the reference
-first) by pointing MATE_CONFIG_DIR at a patched copy of configs/sm90.yaml.
+first) through a patched copy of configs/sm90.yaml; `mate-tune` searches the
+whole space.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
-import yaml
+from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, median_ms, rel_err, write_json
 
 import mate
-from mate import _dispatch
+from tuning.configfile import using_tiles
 
-PEAK_FLOPS = 790e12
-PEAK_BYTES = 4.3e12
 H, D = 4, 128
-
-
-def median_ms(fn):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def graph_ms(fn):
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_ms(g.replay)
+REPORT = dict(stage="mqa", quick=["--rows", "2048", "8192", "--batches", "1", "16", "64"],
+              full=["--rows", "1024", "2048", "4096", "8192", "--batches", "1", "4", "16", "64", "128"])
 
 
 def torch_scores(q, k, lo, hi, scale):
@@ -68,14 +46,8 @@ def torch_scores(q, k, lo, hi, scale):
     return s.masked_fill_((j < lo[:, None]) | (j >= hi[:, None]), float("-inf"))
 
 
-def max_rel_err(out, ref):
-    fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(out)), "-inf pattern differs"
-    return ((out[fin] - ref[fin]).norm() / ref[fin].norm()).item()
-
-
-def prefill_case(dtype):
-    rows, keys = 8192, 8192
+def prefill_case(dtype, rows=8192):
+    keys = 8192
     pos = torch.arange(32768 - rows, 32768, device="cuda")
     q = torch.randn(rows, H, D, device="cuda").to(dtype)
     k = torch.randn(keys, D, device="cuda").to(dtype)
@@ -89,8 +61,8 @@ def prefill_case(dtype):
         "torch": lambda: torch_scores(q, k, lo, hi, scale),
         "reference": lambda: mate.qsa_mqa_prefill(q, k, lo, hi, backend="reference"),
     }
-    return dict(name="prefill", shape=f"rows={rows} keys={keys}", flops=flops, bytes=nbytes, impls=impls,
-                check=lambda: max_rel_err(impls["mate"](), impls["reference"]()))
+    return dict(name=f"prefill r={rows}", kind="prefill", size=rows, shape=f"rows={rows} keys={keys}", flops=flops, bytes=nbytes,
+                impls=impls, check=lambda: rel_err(impls["mate"](), impls["reference"]()))
 
 
 def decode_case(dtype, batch, keys=8192, page_size=16):
@@ -127,16 +99,16 @@ def decode_case(dtype, batch, keys=8192, page_size=16):
     def check():
         q, cache, table = data[0]
         out = mate.qsa_mqa_decode(q, cache, table, ctx, keys)
-        return max_rel_err(out, mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
+        return rel_err(out, mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
 
-    return dict(name=f"decode b={batch}", shape=f"batch={batch} keys={keys} page={page_size} sets={sets}", flops=flops,
+    return dict(name=f"decode b={batch}", kind="decode", size=batch, shape=f"batch={batch} keys={keys} page={page_size} sets={sets}", flops=flops,
                 bytes=nbytes, impls=impls, check=check, graph=True)
 
 
 def run_case(case, with_reference=True):
     err = case["check"]()
     roof_ms = max(case["flops"] / PEAK_FLOPS, case["bytes"] / PEAK_BYTES) * 1e3
-    row = dict(case=case["name"], shape=case["shape"], flops=case["flops"], bytes=case["bytes"], roofline_us=roof_ms * 1e3,
+    row = dict(case=case["name"], kind=case["kind"], size=case["size"], shape=case["shape"], flops=case["flops"], bytes=case["bytes"], roofline_us=roof_ms * 1e3,
                rel_err=err, us={})
     for name, fn in case["impls"].items():
         if name == "reference" and not with_reference:
@@ -167,18 +139,12 @@ SWEEP = {
 
 
 def sweep(dtype):
-    base = yaml.safe_load((_dispatch.config_dir() / "sm90.yaml").read_text())
     key_of = {"mqa_logits": f"dtype={dtype_name(dtype)},even_keys=1", "mqa_decode": f"dtype={dtype_name(dtype)},page_size=16"}
     cases = {"mqa_logits": [prefill_case(dtype)], "mqa_decode": [decode_case(dtype, 1), decode_case(dtype, 64)]}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for stage, candidates in SWEEP.items():
-            for tiles in candidates:
-                cfg = {s: dict(e) for s, e in base.items()}
-                cfg[stage][key_of[stage]] = tiles
-                (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
-                os.environ["MATE_CONFIG_DIR"] = tmp
-                _dispatch.clear_caches()
+    for stage, candidates in SWEEP.items():
+        for tiles in candidates:
+            with using_tiles("sm90", stage, key_of[stage], tiles):
                 for case in cases[stage]:
                     try:
                         r = run_case(case, with_reference=False)
@@ -187,8 +153,6 @@ def sweep(dtype):
                     except Exception as e:  # a failing candidate is reported, never chosen
                         rows.append(dict(stage=stage, tiles=tiles, case=case["name"], error=repr(e)[:200]))
                     print("sweep", rows[-1], flush=True)
-    os.environ.pop("MATE_CONFIG_DIR", None)
-    _dispatch.clear_caches()
     return rows
 
 
@@ -196,33 +160,49 @@ def dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
-def main():
+def figures(result):
+    rows = result["rows"]
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    decode = [r for r in rows if r["kind"] == "decode"]
+
+    def lines(rs, y):
+        impls = {k for r in rs for k in r["us"]}
+        out = {k: [(r["size"], y(r, r["us"][k])) for r in rs if k in r["us"]] for k in sorted(impls)}
+        out["roofline"] = [(r["size"], y(r, r["roofline_us"])) for r in rs]
+        return out
+
+    return [
+        figure("MQA prefill, 8192 keys", "query rows", "TFLOP/s", lines(prefill, lambda r, us: r["flops"] / us / 1e6)),
+        figure("MQA decode, 8192 keys, page 16", "batch", "TB/s", lines(decode, lambda r, us: r["bytes"] / us / 1e6)),
+        figure("MQA decode, 8192 keys, page 16", "batch", "time (us)", lines(decode, lambda r, us: us), logy=True),
+    ]
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--rows", type=int, nargs="*", default=[8192], help="prefill query rows")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64], help="decode batches")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/mqa-<gpu>-<date>.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("MATE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    rows = [run_case(c) for c in (prefill_case(dtype), decode_case(dtype, 1), decode_case(dtype, 64))]
-    result = dict(gpu=gpu, commit=commit, date=datetime.date.today().isoformat(), dtype=args.dtype,
-                  command="python benchmarks/bench_mqa.py" + (" --sweep" if args.sweep else ""),
-                  peaks=dict(flops=PEAK_FLOPS, bytes_per_s=PEAK_BYTES), rows=rows)
+    env = environment()
+    cases = [prefill_case(dtype, r) for r in args.rows] + [decode_case(dtype, b) for b in args.batches]
+    rows = [run_case(c) for c in cases]
+    result = dict(env, dtype=args.dtype, peaks=dict(flops=PEAK_FLOPS, bytes_per_s=PEAK_BYTES), rows=rows)
     if args.sweep:
         result["sweep"] = sweep(dtype)
-    out = Path(args.out or f"benchmarks/results/mqa-{gpu.replace(' ', '_')}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\n{gpu}, commit {commit}, {args.dtype}; roofline = max(FLOPs/790T, bytes/4.3T)")
-    print(f"{'case':<14}{'impl':<14}{'us':>10}{'TFLOP/s':>9}{'TB/s':>7}{'x roof':>8}")
+    out = write_json(args.out or RESULTS / f"mqa-{env['gpu'].replace(' ', '_')}-{datetime.date.today()}.json", result)
+    print(f"\n{env['gpu']}, commit {env['commit']}, {args.dtype}; roofline = max(FLOPs/790T, bytes/4.3T)")
+    print(f"{'case':<16}{'impl':<14}{'us':>10}{'TFLOP/s':>9}{'TB/s':>7}{'x roof':>8}")
     for r in rows:
         for name, us in r["us"].items():
-            print(f"{r['case']:<14}{name:<14}{us:>10.1f}{r['flops'] / us / 1e6:>9.1f}{r['bytes'] / us / 1e6:>7.2f}{us / r['roofline_us']:>8.2f}")
-        print(f"{'':<14}{'roofline':<14}{r['roofline_us']:>10.1f}   rel err vs reference {r['rel_err']:.1e}")
+            print(f"{r['case']:<16}{name:<14}{us:>10.1f}{r['flops'] / us / 1e6:>9.1f}{r['bytes'] / us / 1e6:>7.2f}{us / r['roofline_us']:>8.2f}")
+        print(f"{'':<16}{'roofline':<14}{r['roofline_us']:>10.1f}   rel err vs reference {r['rel_err']:.1e}")
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -31,69 +31,20 @@ ceiling on this GPU).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
+from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
 from mate import _dispatch
+from tuning.configfile import using_tiles
+from tuning.stages import draw_block_indices
 
 D, T_SEL, BS = 128, 16, 64
 DTYPE = torch.bfloat16
-
-
-def median_ms(fn, rep=200):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def few_ms(fn, reps=3):
-    """Median of a few event-timed calls after one warm-up (for the long dense baselines)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def draw_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
-    """T distinct random visible blocks per (query, group), sorted, -1 pads; built on the GPU in chunks."""
-    n_blocks = -(-N // bs)
-    idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
-    blocks = torch.arange(n_blocks, device="cuda")
-    for m0 in range(0, M, chunk):
-        m1 = min(M, m0 + chunk)
-        pos = N - M + torch.arange(m0, m1, device="cuda")
-        visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)  # [mc, n_blocks]
-        if hot:
-            visible &= blocks.view(1, -1) < T
-        r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
-        r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
-        val, sel = r.topk(min(T, n_blocks), dim=-1)
-        sel = torch.where(val >= 0, sel, n_blocks + 1).sort(-1).values
-        sel = torch.where(sel > n_blocks, -1, sel)
-        if T > n_blocks:
-            sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], T - n_blocks), -1)], -1)
-        idx[:, m0:m1] = sel.to(torch.int32)
-    return idx
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+REPORT = dict(stage="nsa_selection", quick=["--lengths", "8192", "16384", "32768", "--heads", "128:8"], full=[])
 
 
 def check_tail(q, k, v, idx, out, lse, tail=64):
@@ -135,7 +86,7 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
     q = torch.randn(B, L, H, D, device="cuda").to(DTYPE)
     k = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
     v = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
-    idx = draw_indices(B, L, L, G, T, BS, hot=hot)
+    idx = draw_block_indices(B, L, L, G, T, BS, hot=hot)
     used = int((idx >= 0).sum())
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L, device="cuda")
@@ -161,36 +112,18 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
     return row
 
 
-def reset_configs():
-    """Make the next call read the config files again (and compile for new tile values)."""
-    if hasattr(_dispatch, "clear_caches"):
-        _dispatch.clear_caches()
-    else:
-        _dispatch.load_config.cache_clear()
-
-
 def tile_variants(L, H, G, variants):
     """Time other tile configs of the seed specialization through a patched copy of configs/sm90.yaml."""
-    base = yaml.safe_load((_dispatch.config_dir() / "sm90.yaml").read_text())
-    key = f"dtype=bfloat16,dim={D},block_size={BS}"
+    spec = {"dtype": "bfloat16", "dim": D, "block_size": BS}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for tiles in variants:
-            cfg = {s: dict(e) for s, e in base.items()}
-            cfg["nsa_selection"][key] = dict(tiles)
-            (Path(tmp) / "sm90.yaml").write_text(yaml.safe_dump(cfg))
-            os.environ["MATE_CONFIG_DIR"] = tmp
-            reset_configs()
-            try:
+    for tiles in variants:
+        try:
+            with using_tiles("sm90", "nsa_selection", _dispatch.spec_key(spec), tiles):
                 r = run_shape(L, H, G, dense=False)
-                used = _dispatch.tiles("nsa_selection", {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")
-                assert used == tiles, f"config not picked up: {used}"
-                rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
-            except Exception as e:  # a failing candidate is reported, never chosen
-                rows.append(dict(tiles=tiles, error=repr(e)[:300]))
-            print("variant", json.dumps(rows[-1]), flush=True)
-    os.environ.pop("MATE_CONFIG_DIR", None)
-    reset_configs()
+            rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
+        except Exception as e:  # a failing candidate is reported, never chosen
+            rows.append(dict(tiles=tiles, error=repr(e)[:300]))
+        print("variant", json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -227,7 +160,7 @@ def l2_gather_probe(tiles=1024, T=16, programs=524288):
     for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
         try:
             fn = lambda: gather_sum[(programs,)](src, idx, out, T, 128, 128, num_warps=warps, num_stages=stages)  # noqa: E731
-            ms = median_ms(fn, rep=100)
+            ms = median_ms(fn)
             rows.append(dict(num_warps=warps, num_stages=stages, ms=ms, GBps=nbytes / ms / 1e6))
         except Exception as e:
             rows.append(dict(num_warps=warps, num_stages=stages, error=repr(e)[:200]))
@@ -238,33 +171,35 @@ def l2_gather_probe(tiles=1024, T=16, programs=524288):
 def copy_tbps():
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), rep=100)
+    ms = median_ms(lambda: y.copy_(x))
     return 2 * x.numel() / ms / 1e9
 
 
-def main():
+def figures(result):
+    figs = []
+    for hg in sorted({(r["H"], r["G"]) for r in result["rows"]}, reverse=True):
+        rows = [r for r in result["rows"] if (r["H"], r["G"]) == hg]
+        lines = {"mate": [(r["L"], r["ms"]) for r in rows]}
+        for name in ("cudnn", "flash"):
+            lines[f"dense causal SDPA ({name})"] = [(r["L"], r["dense_ms"][name]) for r in rows if r["dense_ms"].get(name)]
+        figs.append(figure(f"NSA selection, H={hg[0]} G={hg[1]}, T=16, block 64", "tokens (M = N)", "time (ms)", lines, logy=True))
+        # No roofline: the gathered blocks are L2 hits (faster than HBM), and L2's rate is not one number.
+        figs.append(figure(f"NSA selection, H={hg[0]} G={hg[1]}: gathered K/V", "tokens (M = N)", "GB/s",
+                           {"mate": [(r["L"], r["gathered_GBps"]) for r in rows]}))
+    return figs
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--heads", nargs="*", default=["128:8", "64:8", "64:4"], help="H:G pairs")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
-    # The device copy of the tree may have no .git: MATE_COMMIT names the commit the run was made from.
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("MATE_COMMIT") or git.stdout.strip() or None
-    status = subprocess.run(["git", "status", "--porcelain", "--", "mate/nsa", "configs"], capture_output=True, text=True)
-    dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     res = dict(
-        gpu=torch.cuda.get_device_name(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit,
-        nsa_files_modified_since_commit=dirty,
-        torch=torch.__version__,
+        environment(),
         cudnn=torch.backends.cudnn.version(),
-        command="python benchmarks/bench_nsa.py " + " ".join(
-            [f"--lengths {' '.join(map(str, a.lengths))}", f"--heads {' '.join(a.heads)}"] + (["--probe"] if a.probe else [])
-            + ([f"--out {a.out}"] if a.out else [])),
         setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices="T distinct random visible blocks, sorted, -1 pads",
                    tiles=_dispatch.tiles("nsa_selection", {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")),
         copy_TBps=copy_tbps(),
@@ -286,10 +221,8 @@ def main():
         except Exception as e:  # the probe is context, never a reason to lose the table
             res["l2_gather_probe"] = dict(error=repr(e)[:300])
         res["tile_variants"] = tile_variants(65536, 128, 8, VARIANTS)
-    out = a.out or f"benchmarks/results/nsa_selection_{torch.cuda.get_device_name().replace(' ', '_')}.json"
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=1))
-    print(f"\nGPU {res['gpu']}  copy {res['copy_TBps']:.2f} TB/s  commit {commit}  -> {out}")
+    out = write_json(a.out or RESULTS / f"nsa_selection_{res['gpu'].replace(' ', '_')}.json", res)
+    print(f"\nGPU {res['gpu']}  copy {res['copy_TBps']:.2f} TB/s  commit {res['commit']}  -> {out}")
     print(f"{'H':>4} {'G':>2} {'L':>7} {'mate ms':>9} {'cuDNN ms':>9} {'flash ms':>9} {'x cuDNN':>8} {'x flash':>8} {'GB/s gath':>10} {'err':>8}")
     for r in res["rows"]:
         c, f = r["dense_ms"].get("cudnn"), r["dense_ms"].get("flash")
@@ -303,6 +236,7 @@ def main():
         print("triton L2 gather", r)
     for r in res.get("tile_variants", []):
         print("variant", r)
+    return res
 
 
 if __name__ == "__main__":

@@ -48,9 +48,11 @@ def graph_ms(fn, target_ms: float = 0.5, warmup: int = 25, rep: int = 100) -> fl
     fn()
     stop.record()
     stop.synchronize()
-    calls = max(1, min(200, math.ceil(target_ms / max(start.elapsed_time(stop), 1e-3))))
+    est = max(start.elapsed_time(stop), 1e-3)
+    calls = max(1, min(200, math.ceil(target_ms / est)))
     graph = capture_graph(fn, calls)
-    return median_ms(graph.replay, warmup, rep) / calls
+    # At least 7 replays however long one lasts: the median of fewer is not worth its name.
+    return median_ms(graph.replay, warmup, max(rep, 7 * calls * est)) / calls
 
 
 def commit() -> str:

@@ -178,8 +178,11 @@ def _nsa_limits(spec, t):
     return None
 
 
-def draw_block_indices(B, M, N, G, T, bs, chunk=4096):
-    """T distinct random causally visible blocks per (query, group), sorted, -1 where fewer exist (bottom-right aligned)."""
+def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
+    """T distinct random causally visible blocks per (query, group), sorted, -1 where fewer exist (bottom-right aligned).
+
+    `hot` draws from the first T blocks only, so every query reads the same blocks (a benchmark probe).
+    """
     n_blocks = -(-N // bs)
     idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
     blocks = torch.arange(n_blocks, device="cuda")
@@ -187,6 +190,8 @@ def draw_block_indices(B, M, N, G, T, bs, chunk=4096):
         m1 = min(M, m0 + chunk)
         pos = N - M + torch.arange(m0, m1, device="cuda")
         visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)
+        if hot:
+            visible &= blocks.view(1, -1) < T
         r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
         r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
         val, sel = r.topk(min(T, n_blocks), dim=-1)

@@ -1,0 +1,91 @@
+"""Shared code of the benchmark scripts: timing, run metadata, result files and plots.
+
+Timing and metadata are the tuner's (tuning/measure.py), so a tuned time and a
+benchmarked time are the same measurement. A benchmark script that takes part
+in the report (benchmarks/run.py) defines:
+
+  REPORT = dict(stage=..., quick=[argv...], full=[argv...])   # its arguments per preset
+  main(argv) -> result dict                                   # also writes it to --out
+  figures(result) -> [figure(...), ...]                       # what to plot from it
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tuning.measure import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# The H200's measured ceilings (H200.md): bf16 dense matrix rate, device-to-device copy bandwidth.
+PEAK_FLOPS = 790e12
+PEAK_BYTES = 4.3e12
+
+
+def few_ms(fn, reps=3) -> float:
+    """Median of a few event-timed calls after one warm-up, for baselines too long for do_bench's repetitions."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(out, ref) -> float:
+    """Relative L2 error over the finite reference values; the -inf patterns must agree."""
+    out, ref = out.double(), ref.double()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)), "-inf pattern differs"
+    return float((out[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30))
+
+
+def write_json(path, data) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def figure(title, xlabel, ylabel, lines, logx=True, logy=False) -> dict:
+    """One plot: `lines` maps an implementation to its [(x, y), ...]; a line named 'roofline' is drawn dashed."""
+    return dict(title=title, xlabel=xlabel, ylabel=ylabel, logx=logx, logy=logy,
+                lines={k: sorted(v) for k, v in lines.items() if v})
+
+
+def plot(figures: list[dict], path, suptitle="") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(figures))
+    rows = -(-len(figures) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    for ax, f in zip(axes.flat, figures):
+        for name, pts in f["lines"].items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, "--" if name == "roofline" else "-o", label=name, color="gray" if name == "roofline" else None)
+        ax.set(title=f["title"], xlabel=f["xlabel"], ylabel=f["ylabel"])
+        if f["logx"]:
+            ax.set_xscale("log", base=2)
+        if f["logy"]:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(figures):]:
+        ax.axis("off")
+    fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
