@@ -46,11 +46,13 @@ class Stage:
 
     `build(**spec, **tiles)` returns a `T.prim_func`; `spec` is the specialization
     (dtype, page size, ...) named by the config key, `tiles` the entry's values.
+    `pass_configs` are TileLang pass options the program needs to compile as written.
     """
 
     name: str
     build: Callable
     params: tuple[str, ...]
+    pass_configs: tuple[tuple[str, object], ...] = ()
 
 
 STAGES: dict[str, Stage] = {}
@@ -192,7 +194,7 @@ def compile_program(stage: str, spec: dict, target: str, tile_values: dict | Non
 
     values = tiles(stage, spec, target) if tile_values is None else tile_values
     program = STAGES[stage].build(**spec, **values)
-    return tilelang.compile(program, target=TARGETS[target][1])
+    return tilelang.compile(program, target=TARGETS[target][1], pass_configs=dict(STAGES[stage].pass_configs) or None)
 
 
 def kernel(stage: str, spec: dict, target: str):
