@@ -121,6 +121,7 @@ def main(argv=None):
         "config": {},
         "rows": [],
     }
+
     def save():
         write_json(args.out, meta)
 

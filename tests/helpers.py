@@ -2,6 +2,8 @@
 
 import torch
 
+from tuning.measure import capture_graph  # noqa: F401  (the tests capture graphs as the benchmarks do)
+
 
 def poison_allocator(device, nbytes=1 << 28):
     """Fill free caching-allocator memory with NaN so an output element a kernel forgets to write shows up as NaN."""
@@ -21,16 +23,3 @@ def assert_scores_match(out, ref, rtol=1e-4):
         a, b = out[fin].double(), ref[fin].double()
         err = (a - b).norm() / b.norm().clamp_min(1e-30)
         assert err <= rtol, f"relative error {err:.3e}"
-
-
-def capture_graph(fn):
-    """Warm `fn` up on a side stream, then capture it in a CUDA graph; returns (graph, what fn returned)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result

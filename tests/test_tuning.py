@@ -3,7 +3,6 @@ the parallel compile phase (with nvcc). The GPU phase (check and timing) runs on
 
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml

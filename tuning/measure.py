@@ -22,7 +22,7 @@ def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
 
 
 def capture_graph(fn, calls: int = 1):
-    """Warm `fn` up on a side stream, then capture `calls` back-to-back calls in a CUDA graph."""
+    """Warm `fn` up on a side stream, then capture `calls` back-to-back calls in a CUDA graph; (graph, last result)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -31,8 +31,8 @@ def capture_graph(fn, calls: int = 1):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
-    return graph
+            result = fn()
+    return graph, result
 
 
 def graph_ms(fn, target_ms: float = 0.5, warmup: int = 25, rep: int = 100) -> float:
@@ -50,7 +50,7 @@ def graph_ms(fn, target_ms: float = 0.5, warmup: int = 25, rep: int = 100) -> fl
     stop.synchronize()
     est = max(start.elapsed_time(stop), 1e-3)
     calls = max(1, min(200, math.ceil(target_ms / est)))
-    graph = capture_graph(fn, calls)
+    graph, _ = capture_graph(fn, calls)
     # At least 7 replays however long one lasts: the median of fewer is not worth its name.
     return median_ms(graph.replay, warmup, max(rep, 7 * calls * est)) / calls
 
