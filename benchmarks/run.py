@@ -30,7 +30,11 @@ def benchmarks() -> dict:
     """stage -> module, for each bench_*.py that takes part in the report."""
     found = {}
     for path in sorted(HERE.glob("bench_*.py")):
-        module = importlib.import_module(path.stem)
+        try:
+            module = importlib.import_module(path.stem)
+        except Exception as e:  # one broken script must not take the report down
+            print(f"skipping {path.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
         if hasattr(module, "REPORT"):
             found[module.REPORT["stage"]] = module
     return found
