@@ -198,5 +198,7 @@ def test_compiled_native_is_bitwise_eager(name):
     torch._dynamo.reset()
     p = fresh(name, "cuda")
     eager = clone(native(p))
-    got = torch.compile(lambda: p.call("tilelang"), fullgraph=True)()
+    seen = []
+    got = compile_and_count(lambda: p.call("tilelang"), seen)()
     assert bitwise_equal(got, eager)
+    assert sum(getattr(t, "namespace", None) == "mate" for t in seen) == 1, seen

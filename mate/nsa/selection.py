@@ -82,11 +82,11 @@ def nsa_selection_attention(
     C.optional_int32("block_counts", block_counts, shape=(B, M, G))
     block_size = C.positive_int("block_size", block_size)
     mult = C.score_multiplier(scale, None, D)
-    C.same_device(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts, out=out, lse=lse)
     if out is not None:
         C.out_buffer("out", out, shape=(B, M, H, D), dtype=q.dtype, device=q.device)
     if lse is not None:
         C.out_buffer("lse", lse, shape=(B, H, M), dtype=torch.float32, device=q.device)
+    C.same_device(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts, out=out, lse=lse)
     C.no_overlap({"out": out, "lse": lse}, {"q": q, "k": k, "v": v, "block_indices": block_indices, "block_counts": block_counts})
 
     if backend == "reference":

@@ -1,0 +1,132 @@
+"""Run every native kernel of tests/cases.py under compute-sanitizer (memcheck and racecheck).
+
+    python tests/sanitize.py [--tools memcheck,racecheck] [--cases mqa_decode,...]
+
+For each tool this starts `compute-sanitizer --tool <tool> python tests/sanitize.py --run ...`,
+which calls each case natively three times (its edge-case inputs, then twice
+with refreshed metadata) and checks the outputs against the reference. It
+exits non-zero if a tool reports any error, a case fails, or the sanitizer
+does not run. Needs a Hopper GPU and compute-sanitizer (on the PATH, or under
+/usr/local/cuda*/bin, or --sanitizer).
+
+PyTorch's caching allocator is off in the checked process
+(PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is its own allocation, so a
+read or write past a tensor leaves an allocation, which memcheck reports
+(the cases cut their views from the end of their base tensors for the same
+reason). Kernels compile before the sanitized runs (TileLang's disk cache
+keeps them), so the sanitizer sees kernel launches, not nvcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOOLS = ("memcheck", "racecheck")
+
+
+def run_cases(names: list[str]) -> int:
+    """The sanitized process: each case natively, three times, checked against the reference."""
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from cases import CASES, NOT_YET, assert_matches
+
+    failed = 0
+    for name in names:
+        p = CASES[name]("cuda", torch.Generator().manual_seed(2))
+        try:
+            for i in range(3):
+                if i:
+                    p.refresh()
+                try:
+                    outs = tuple(o.clone() for o in p.call("tilelang"))
+                except ValueError as e:
+                    if NOT_YET.search(str(e)):
+                        print(f"[sanitize] {name}: skipped, {e}", flush=True)
+                        break
+                    raise
+                torch.cuda.synchronize()
+                assert_matches(outs, p.call("reference"), p.tol)
+            else:
+                print(f"[sanitize] {name}: ran 3 times, matches the reference", flush=True)
+        except (AssertionError, RuntimeError, ValueError, pytest.skip.Exception) as e:
+            failed += 1
+            print(f"[sanitize] {name}: FAILED {type(e).__name__}: {e}", flush=True)
+    return 1 if failed else 0
+
+
+def find_sanitizer(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for path in sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) + sorted(glob.glob("/opt/nvidia/*/compute-sanitizer*/compute-sanitizer")):
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def sanitize(tool: str, sanitizer: str, names: list[str]) -> tuple[bool, str]:
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
+    if tool == "memcheck":
+        cmd += ["--leak-check", "no"]
+        if "--padding" in subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout:
+            cmd += ["--padding", "1024"]  # a gap after each allocation: over-reads land outside any
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--run", "--cases", ",".join(names)]
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    print("[sanitize] $", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    print(log, flush=True)
+    # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
+    summary = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", log)
+    errors = sum(int(a or b or 0) for a, b, _ in summary)
+    warnings = sum(int(w or 0) for _, _, w in summary)
+    ok = proc.returncode == 0 and bool(summary) and errors == 0
+    verdict = (f"{tool}: exit {proc.returncode}, {errors} errors, {warnings} racecheck warnings"
+               f"{'' if summary else ', no summary line'} -> {'OK' if ok else 'FAILED'}")
+    return ok, verdict
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="store_true", help="run the cases in this process (what the sanitizer checks)")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--sanitizer", default=None, help="path of compute-sanitizer")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from cases import CASES
+
+    names = [n for n in args.cases.split(",") if n] or list(CASES)
+    unknown = set(names) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    if args.run:
+        return run_cases(names)
+
+    sanitizer = find_sanitizer(args.sanitizer)
+    if sanitizer is None:
+        print("[sanitize] compute-sanitizer not found (PATH, /usr/local/cuda*/bin); pass --sanitizer", flush=True)
+        return 2
+    print("[sanitize] warm-up (compiles the kernels outside the sanitizer)", flush=True)
+    if run_cases(names):
+        return 1
+    verdicts = [sanitize(tool, sanitizer, names) for tool in args.tools.split(",")]
+    for _, verdict in verdicts:
+        print("[sanitize]", verdict, flush=True)
+    return 0 if all(ok for ok, _ in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
