@@ -171,3 +171,46 @@ def test_compile_only_compiles_in_parallel_and_records_failures(tmp_path, monkey
     # Resumed from the cache: nothing is compiled again.
     monkeypatch.setattr(cli.cf, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("recompiled a cached candidate"))
     assert cli.main(args) == 0
+
+
+def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypatch, capsys):
+    """The GPU phase with its GPU parts replaced: the workload runs on the CPU and reports the tiles the dispatcher
+    hands it (so the candidate really went through the config), the timing is a function of those tiles.
+    block_keys=256 is the fastest but wrong; 128 beats the current 64."""
+    import torch
+
+    from tuning import measure as measure_mod
+
+    key = "dtype=bfloat16,page_size=16"
+    in_effect = lambda: _dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90")["block_keys"]  # noqa: E731
+    t = TUNABLES["mqa_decode"]
+
+    def workload(spec, shape):
+        return (lambda: torch.tensor([2.0 if in_effect() == 256 else 1.0]), lambda: torch.tensor([1.0]))
+
+    monkeypatch.setitem(TUNABLES, "mqa_decode", Tunable(t.stage, dict(block_keys=(64, 128, 256), threads=(128,)), t.limits,
+                                                        t.shapes, workload, t.tol))
+    monkeypatch.setattr(cli, "compile_all", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure_mod, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
+    timed = []
+    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
+
+    config = tmp_path / "sm90.yaml"
+    config.write_text(TEXT)
+    args = ["--stage", "mqa_decode", "--keys", key, "--write", str(config), "--cache", str(tmp_path / "cache.json")]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "WRONG relative error" in out and "block_keys=256" in out
+    assert timed == [64, 128]  # the wrong candidate is never timed
+    entry = yaml.safe_load(config.read_text())["mqa_decode"][key]
+    assert (entry["block_keys"], entry["threads"]) == (128, 128)
+    assert "Fake GPU" in entry["measured"] and "2000.0 us" in entry["measured"] and "was 3000.0 us" in entry["measured"]
+    assert config.read_text().replace(f"  {key}: {configfile.render('mqa_decode', entry)}", "") == TEXT.replace(
+        f"  {key}: {{block_keys: 64, threads: 128}}", "")
+
+    # Resumed: every candidate comes from the cache, and the new entry (now current) stays.
+    monkeypatch.setattr(cli, "measure", lambda *a: pytest.fail("measured a cached candidate"))
+    assert cli.main(args) == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert yaml.safe_load(config.read_text())["mqa_decode"][key] == entry

@@ -102,12 +102,12 @@ def compile_all(jobs: list[tuple[str, dict]], stage: str, target: str, cache: Ca
             cache.put("compile", key, tiles, {"error": f.result()})
 
 
-def measure(tunable, target, key, tiles, loads, refs) -> dict:
+def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     """Check every shape against the reference, then time it; {'us': geomean, 'shapes_us': [...]} or {'error'/'wrong': ...}."""
     from tuning.measure import graph_ms
 
     try:
-        with configfile.using_tiles(target, tunable.stage, key, tiles):
+        with configfile.using_tiles(target, tunable.stage, key, tiles, config):
             times = []
             for (native, _), ref in zip(loads, refs):
                 err = rel_error(native(), ref)
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
 
     tunable = TUNABLES[args.stage]
     config_path = args.write or _dispatch.config_dir() / f"{args.target}.yaml"
-    entries = _dispatch.validate_config(yaml.safe_load(config_path.read_text()) or {}, config_path).get(args.stage, {})
+    config = _dispatch.validate_config(yaml.safe_load(config_path.read_text()) or {}, config_path)
+    entries = config.get(args.stage, {})
     keys = args.keys or list(entries)
     shapes = load_shapes(args.stage, args.shapes)
 
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
             res = cache.get(env["gpu"], key, tiles)
             if res is None:
                 compiled = cache.get("compile", key, tiles)
-                res = {"error": compiled["error"]} if compiled and compiled["error"] else measure(tunable, args.target, key, tiles, loads, refs)
+                res = {"error": compiled["error"]} if compiled and compiled["error"] else measure(tunable, args.target, config, key, tiles, loads, refs)
                 cache.put(env["gpu"], key, tiles, res)
             results.append((tiles, res))
         del loads, refs

@@ -104,14 +104,14 @@ def write(path: Path, stage: str, updates: dict[str, dict]) -> None:
 
 
 @contextlib.contextmanager
-def using_tiles(target: str, stage: str, key: str, tiles: dict):
-    """Run the dispatcher with `tiles` as the entry of (stage, key), through a patched copy of the target's config.
+def using_tiles(target: str, stage: str, key: str, tiles: dict, base: dict | None = None):
+    """Run the dispatcher with `tiles` as the entry of (stage, key), through a patched copy of `base`
+    (default: the target's config as the dispatcher reads it).
 
     The API wrappers read tile values too (grid sizes, limits), so the whole
     dispatch path, not only the kernel, must see the candidate.
     """
-    base = _dispatch.load_config(target)
-    cfg = {s: dict(e) for s, e in base.items()}
+    cfg = {s: dict(e) for s, e in (base or _dispatch.load_config(target)).items()}
     cfg.setdefault(stage, {})[key] = dict(tiles)
     saved = os.environ.get("MATE_CONFIG_DIR")
     with tempfile.TemporaryDirectory() as tmp:
