@@ -30,8 +30,8 @@ from helpers import poison_allocator
 
 I32 = torch.int32
 CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
-CPU = settings(derandomize=True, max_examples=40, deadline=None, suppress_health_check=CHECKS)
-GPU = settings(derandomize=True, max_examples=25, deadline=None, suppress_health_check=CHECKS)
+CPU = settings(derandomize=True, database=None, max_examples=40, deadline=None, suppress_health_check=CHECKS)
+GPU = settings(derandomize=True, database=None, max_examples=25, deadline=None, suppress_health_check=CHECKS)
 
 
 class Draw:
