@@ -218,3 +218,15 @@ def clear_caches() -> None:
     supported_targets.cache_clear()
     _tiles.cache_clear()
     _kernels.clear()
+
+
+_placeholders: dict = {}
+
+
+def placeholder(device, dtype, ndim: int) -> torch.Tensor:
+    """A cached 1-element stand-in for an absent optional kernel buffer (the kernel's flags say it is never read)."""
+    key = (device, dtype, ndim)
+    x = _placeholders.get(key)
+    if x is None:
+        x = _placeholders[key] = torch.zeros((1,) * ndim, dtype=dtype, device=device)
+    return x

@@ -21,4 +21,8 @@ ENTRIES = [(stage, key) for stage, entries in _dispatch.load_config("sm90").item
 def test_compiles_for_sm90a(stage, key):
     kernel = _dispatch.compile_program(stage, _dispatch.parse_key(key), "sm90")
     source = kernel.get_kernel_source()
+    if stage == "qsa_merge":  # elementwise: no MMA
+        return
     assert "wgmma" in source, f"{stage}[{key}] does not use wgmma"
+    if stage == "qsa_attention":
+        assert "cp_async_gs_conditional" in source, f"{stage}[{key}]: the K/V gather is not cp.async"

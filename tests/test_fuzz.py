@@ -394,7 +394,8 @@ def test_valid_calls_are_valid():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "nsa_selection_attention", "gqa_attention"])
+@pytest.mark.parametrize("entry", ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "nsa_selection_attention", "gqa_attention",
+                                   "merge_attention_states", "qsa_sparse_attention"])
 @GPU
 @given(data=st.data())
 def test_native_rejects_invalid_arguments_before_any_kernel(entry, data):

@@ -31,11 +31,14 @@ max_pages * page_size).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mate import _checks as C
 from mate import _dispatch
-from mate.qsa import reference
+from mate.qsa import merge, reference
+from mate.qsa.kernels import sparse as kernels
 
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D
 NATIVE_DIM = 256
@@ -141,7 +144,16 @@ def qsa_sparse_attention(
       (gate included) is rejected.
 
     backend="reference" runs the FP32 PyTorch oracle on any device and layout.
-    backend="tilelang" (default) has no kernels yet and raises ValueError.
+    backend="tilelang" (default) runs the native sm90 kernels (mate/qsa/kernels/sparse.py) for
+    BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
+    flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
+    gate) by the native merge. num_splits=None picks the split count from the row count (see
+    choose_splits). Every native kernel is warp-specialized already (a cp.async producer
+    warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
+    canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
+    indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
+    feature stride and 16-byte aligned base and outer strides. No host synchronization: the
+    native path can be captured in a CUDA graph and replayed with new metadata values.
     """
     backend = _dispatch.backend(backend)
     return_lse = C.flag("return_lse", return_lse)
@@ -284,7 +296,14 @@ def qsa_sparse_attention(
     C.no_overlap({"out": out, "lse": lse}, inputs)
 
     if backend == "tilelang":
-        _native(query, key, kv_layout, num_splits, warp_specialized, compute_dtype)
+        _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits)
+        return _native(
+            query, key, value, indices, kv_layout=kv_layout, n_req=n_req, block_indices=block_indices,
+            compact=assume_compact_blocks, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
+            seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k, query_positions=query_positions,
+            block_table=block_table, scale=mult, gate=gate, num_splits=num_splits, return_lse=return_lse,
+            out=out, lse=lse,
+        )
 
     res, res_lse = reference.sparse_attention(
         query, key, value, indices, physical=physical, n_req=n_req, cu_seqlens_q=cu_seqlens_q,
@@ -302,7 +321,7 @@ def qsa_sparse_attention(
     return (out, res_lse) if return_lse else out
 
 
-def _native(query, key, kv_layout, num_splits, warp_specialized, compute_dtype):
+def _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
     if kv_layout == "varlen":
@@ -329,8 +348,116 @@ def _native(query, key, kv_layout, num_splits, warp_specialized, compute_dtype):
             f"selected_kv_indices runs natively on bfloat16 query/key/value with compute_dtype=torch.bfloat16, "
             f"got {query.dtype} and compute_dtype={compute_dtype}; use backend='reference'"
         )
-    _dispatch.target_of(query, "query")
-    raise ValueError(
-        "backend='tilelang' has no qsa_sparse_attention kernels yet (they come with the native attention work); "
-        "use backend='reference'"
+    C.vector_layout("key", key)
+    C.vector_layout("value", value)
+
+
+# ---------------------------------------------------------------- native path
+
+ATTENTION = _dispatch.register(
+    _dispatch.Stage("qsa_attention", kernels.sparse_attention, ("head_tile", "num_stages"), kernels.PASS_CONFIGS)
+)
+MAX_SPLITS = 64
+
+
+def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
+    """x with its `lead` leading (batch/query) axes as one row axis, without copying."""
+    if x is None or lead == 1:
+        return x
+    try:
+        return x.view(-1, *x.shape[lead:])
+    except RuntimeError:
+        raise ValueError(
+            f"{name}'s batch and query axes must collapse to a zero-copy row view (strides {tuple(x.stride())} for shape "
+            f"{tuple(x.shape)}); pass flattened tensors instead"
+        ) from None
+
+
+def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
+    """SplitKV count for `num_splits=None`: fill one wave of CTAs (one per SM), at least 2 tiles a split.
+
+    Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
+    times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
+    82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
+    One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
+    """
+    return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, compact, cu_seqlens_q, token_to_req,
+            seq_lens_q, seq_lens_k, query_positions, block_table, scale, gate, num_splits, return_lse, out, lse):
+    target = _dispatch.target_of(query, "query")
+    dev = query.device
+    lead = query.dim() - 2
+    hq, dim = query.shape[-2:]
+    hkv = key.shape[-2]
+    q = _rows("query", query, lead)
+    rows = q.shape[0]
+    ti = _rows("token_indices", indices, lead)
+    bi = _rows("block_indices", block_indices, lead)
+    qp = None if query_positions is None else _rows("query_positions", query_positions.unsqueeze(-1), lead).squeeze(-1)
+    if out is None:
+        out = torch.empty_like(query)
+    o = _rows("out", out, lead)
+    want_lse = return_lse or lse is not None
+    if want_lse and lse is None:
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=dev)
+    lse_rows = _rows("lse", lse, lead) if want_lse else _dispatch.placeholder(dev, torch.float32, 2)
+    if gate is not None:
+        g = _rows("gate", gate, lead).float()
+        g = g if g.dim() == 3 else g.unsqueeze(-1).expand(rows, hq, dim)
+    else:
+        g = _dispatch.placeholder(dev, torch.float32, 3)
+
+    k4, v4 = (key.unsqueeze(0), value.unsqueeze(0)) if kv_layout == "physical" else (key, value)
+    flags = (
+        (kernels.HAS_SEQ_LENS_Q if seq_lens_q is not None else 0)
+        | (kernels.HAS_SEQ_LENS_K if seq_lens_k is not None else 0)
+        | (kernels.HAS_POSITIONS if qp is not None else 0)
+        | (kernels.PAGED if kv_layout == "paged" else 0)
+        | (kernels.HAS_BLOCKS if bi is not None else 0)
+        | (kernels.COMPACT_BLOCKS if compact else 0)
+        | (kernels.HAS_GATE if gate is not None else 0)
+        | (kernels.WRITE_LSE if want_lse else 0)
     )
+    if kv_layout == "physical":
+        row_mode, rowmap = kernels.ROW_PHYSICAL, None
+    elif lead == 2:
+        row_mode, rowmap = kernels.ROW_PADDED, None
+    elif cu_seqlens_q is not None:
+        row_mode, rowmap = kernels.ROW_CU, cu_seqlens_q
+    else:
+        row_mode, rowmap = kernels.ROW_TOKEN_TO_REQ, token_to_req
+    q_len = query.shape[1] if lead == 2 else 1
+    width = ti.shape[-1]
+    tiles = -(-width // kernels.TILE)
+    if num_splits is None:
+        num_splits = 1 if kv_layout == "padded" else choose_splits(rows * hkv, tiles, _sm_count(dev.index or 0))
+    splits = max(1, min(num_splits, tiles))
+    chunk = -(-tiles // splits) * kernels.TILE
+    if rows == 0 or hq == 0:
+        return (out, lse) if return_lse else out
+    if width == 0:  # nothing selected anywhere
+        o.zero_()
+        if want_lse:
+            lse_rows.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+
+    spec = {"dtype": str(query.dtype).removeprefix("torch."), "split": int(splits > 1)}
+    attend = _dispatch.kernel(ATTENTION.name, spec, target)
+    opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
+    meta = (ti, opt(bi, 2), opt(block_table, 2), opt(rowmap, 1), opt(seq_lens_q, 1), opt(seq_lens_k, 1), opt(qp, 1), g)
+    args = (scale, row_mode, flags, n_req or 1, q_len, chunk)
+    if splits == 1:
+        attend(q, k4, v4, *meta, o, lse_rows, *args)
+    else:
+        part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
+        attend(q, k4, v4, *meta, part_o, part_lse, *args)
+        merge.launch(part_o, part_lse, g, o, lse_rows, flags, target)
+    return (out, lse) if return_lse else out

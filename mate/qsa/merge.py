@@ -18,6 +18,21 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import reference
+from mate.qsa.kernels import sparse as kernels
+
+STAGE = _dispatch.register(_dispatch.Stage("qsa_merge", kernels.merge, ("threads",)))
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def launch(partial_out, partial_lse, gate, out, lse, flags, target):
+    """The merge kernel on [splits, rows, heads, D] partials; gate is FP32 [rows, heads, D] or None, lse may be
+    None when flags lacks WRITE_LSE. Also the last step of SplitKV sparse attention."""
+    dev = partial_out.device
+    spec = {"pdtype": str(partial_out.dtype).removeprefix("torch."), "odtype": str(out.dtype).removeprefix("torch.")}
+    _dispatch.kernel(STAGE.name, spec, target)(
+        partial_out, partial_lse, _dispatch.placeholder(dev, torch.float32, 3) if gate is None else gate, out,
+        _dispatch.placeholder(dev, torch.float32, 2) if lse is None else lse, flags,
+    )
 
 
 def merge_attention_states(
@@ -39,7 +54,8 @@ def merge_attention_states(
     Outputs must not overlap each other or any input. splits may be 0 (every row empty).
 
     backend="reference" runs the FP32 PyTorch oracle on any device.
-    backend="tilelang" (default) has no merge kernel yet and raises ValueError.
+    backend="tilelang" (default) runs the native merge kernel for float32/bfloat16/float16
+    partials and outputs; splits = 0 gives 0 and -inf there too.
     """
     backend = _dispatch.backend(backend)
     C.tensor("partial_out", partial_out, ndim=4)
@@ -75,16 +91,25 @@ def merge_attention_states(
     C.same_device(partial_out=partial_out, partial_lse=partial_lse, gate=gate, out=out, lse=lse)
     C.no_overlap({"out": out, "lse": lse}, {"partial_out": partial_out, "partial_lse": partial_lse, "gate": gate})
 
+    dtype = out.dtype if out is not None else (out_dtype or partial_out.dtype)
     if backend == "tilelang":
-        _dispatch.target_of(partial_out, "partial_out")
-        raise ValueError(
-            "backend='tilelang' has no merge_attention_states kernel yet (it comes with the native attention work); "
-            "use backend='reference'"
-        )
+        target = _dispatch.target_of(partial_out, "partial_out")
+        for name, dt in (("partial_out", partial_out.dtype), ("output", dtype)):
+            if dt not in NATIVE_DTYPES:
+                raise ValueError(f"backend='tilelang' merges float32/bfloat16/float16 {name}, got {dt}; use backend='reference'")
+        if out is None:
+            out = torch.empty(out_shape, dtype=dtype, device=partial_out.device)
+        if lse is None:
+            lse = torch.empty(row_shape, dtype=torch.float32, device=partial_out.device)
+        if out.numel():
+            g = None if gate is None else (gate.float() if gate.dim() == 3 else gate.float().unsqueeze(-1).expand(out_shape))
+            launch(partial_out, partial_lse, g, out, lse, kernels.WRITE_LSE | (kernels.HAS_GATE if g is not None else 0), target)
+        elif lse.numel():
+            lse.fill_(float("-inf"))
+        return out, lse
 
     res, res_lse = reference.merge_states(partial_out, partial_lse)
     res = reference.apply_gate(res, gate)
-    dtype = out.dtype if out is not None else (out_dtype or partial_out.dtype)
     if out is None:
         out = res.to(dtype)
     else:

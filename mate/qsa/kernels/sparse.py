@@ -1,0 +1,408 @@
+"""TileLang programs of QSA sparse core attention: the attention pass and the SplitKV merge.
+
+Attention: one CTA per (query row, KV head, split). The CTA's query heads (the
+group, 1..16, zero-padded to `head_tile`) attend to the row's selected tokens,
+read from K/V through a per-row token list. Every layout is the same gather:
+K/V are seen as [pages, page_size, Hkv, D] with runtime int64 strides, and a
+token t of request b lives at (page, slot) =
+
+    paged K/V:      (block_table[b, t // page_size], t % page_size)
+    padded [B, S]:  (b, t)             (page_size = S)
+    physical ids:   (0, t)             ([N, Hkv, D] seen as one page of N)
+
+Orientation ("keys as M", as in NSA selection): a group has too few heads for
+wgmma's M of 64, so the 64 tokens of a tile are the M operand and the heads N:
+
+    S^T [64, heads]  = K_tile [64, D] . Q^T
+    O^T [D, heads]  += V_tile^T [D, 64] . P^T [64, heads]
+
+Warp specialization: a consumer warpgroup (warps 4-7) runs the MMAs and the online
+softmax; a producer warpgroup (warps 0-3; TileLang 0.1.15 emits
+cp.async into a swizzled tile only from the first warps) decodes each tile's tokens and gathers their K/V
+rows with cp.async (one 512-byte row per warp instruction, zero-filled for a
+masked token) into a ring of `num_stages` tiles. Each stage has a `full`
+mbarrier (producer -> consumer: the cp.async arrivals plus one plain arrival
+per producer thread, which also publishes the stage's token-valid flags) and
+an `empty` one (consumer -> producer). Both roles run the same number of
+tiles, zero included, so no copy is ever left in flight.
+
+A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
+(a garbage V row could be NaN). The running max starts at a finite floor, so
+an all-masked tile rescales by exp2(0) = 1 instead of NaN.
+
+Row metadata (request, index in the request, causal position, lengths) is
+derived in the kernel from the caller's buffers, with `row_mode`:
+0 padded query (row // q_len), 1 cu_seqlens_q (binary search), 2 token_to_req
+(order of appearance, counted by the CTA), 3 physical ids (no request, no
+causal mask). Optional buffers are flagged in `flags` (bit values below); an
+absent one is a 1-element dummy that is never read.
+
+`split=False`: the CTA owns the whole token list and writes the output
+(gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
+owns a contiguous share of the list and writes FP32 partials to a workspace;
+`merge` combines them.
+"""
+
+import tilelang.language as T
+from tvm import tirx
+
+NEG_INF = -T.infinity("float32")
+ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
+M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an all-masked tile is 1
+LOG2E = 1.4426950408889634
+TILE = 64  # tokens per tile: wgmma's M per warpgroup
+DIM = 256
+VEC = 8  # bf16/fp16 elements per 16-byte cp.async
+
+# flags bits
+HAS_SEQ_LENS_Q = 1
+HAS_SEQ_LENS_K = 2
+HAS_POSITIONS = 4
+PAGED = 8
+HAS_BLOCKS = 16
+COMPACT_BLOCKS = 32
+HAS_GATE = 64
+WRITE_LSE = 128
+
+# The program places its own barriers (mbarriers between the roles, named barriers inside
+# each), which TileLang 0.1.15's sync planner cannot prove warp-uniform; its token
+# metadata is range-checked in the kernel, and the cp.async zero-fill needs the bare
+# predicate that safe-memory legalization would wrap.
+PASS_CONFIGS = (("tl.disable_thread_storage_sync", True), ("tl.disable_safe_memory_legalize", True))
+# TileLang 0.1.15's barrier intrinsics (bar.sync, mbarrier wait/arrive) are asm without a
+# "memory" clobber, so the compiler may move shared-memory loads and stores across them; a
+# compiler fence next to each barrier pins the order.
+FENCE_SOURCE = '\n__device__ __forceinline__ void mate_compiler_fence() { asm volatile("" ::: "memory"); }\n'
+
+
+def fence():
+    T.evaluate(T.call_extern("handle", "mate_compiler_fence"))
+
+
+DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
+PER_THREAD = DECODE_TILES * TILE // 128  # slots each producer thread decodes per chunk
+CONSUMER_BARRIER = 1  # the same 128 threads as TileLang's consumer reductions (ids 1 and 2)
+PRODUCER_BARRIER = 3
+NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"  # completion is tracked by the full mbarrier
+
+ROW_PADDED, ROW_CU, ROW_TOKEN_TO_REQ, ROW_PHYSICAL = 0, 1, 2, 3
+
+
+def sparse_attention(dtype, split, head_tile, num_stages):
+    threads = 256  # consumer warpgroup + producer warpgroup
+    warps = 4  # producer warps; warp w gathers slots w, w + 4, ...
+    per_warp = TILE // warps
+    R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
+    NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
+    (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
+        "sqr sqh sqd skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
+    )
+    sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
+    odtype = "float32" if split else dtype
+    if split:
+        o_shape, o_strides = (SPL, RO, HO, DIM), None
+        l_shape, l_strides = (SPL, RL, HL), None
+    else:
+        o_shape, o_strides = (RO, HO, DIM), (sor, soh, sod)
+        l_shape, l_strides = (RL, HL), (slr, slh)
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((R, HQ, DIM), (sqr, sqh, sqd), dtype),
+        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), dtype),
+        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), dtype),
+        TI: T.StridedTensor((R, W), (sir, siw), "int32"),
+        BI: T.StridedTensor((RB, NB), (sbr, sbw), "int32"),
+        BT: T.StridedTensor((BTB, MP), (stb, stp), "int32"),
+        ROWMAP: T.StridedTensor((NM,), (smm,), "int32"),
+        SLQ: T.StridedTensor((NSLQ,), (slq,), "int32"),
+        SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
+        QP: T.StridedTensor((NQP,), (sqp,), "int32"),
+        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        O: T.StridedTensor(o_shape, o_strides, odtype) if not split else T.Tensor(o_shape, odtype),
+        LSE: T.StridedTensor(l_shape, l_strides, "float32") if not split else T.Tensor(l_shape, "float32"),
+        scale: T.float32,
+        row_mode: T.int32,
+        flags: T.int32,
+        n_req: T.int32,
+        q_len: T.int32,
+        chunk: T.int32,
+    ):
+        with T.Kernel(R, HKV, SPL if split else 1, threads=threads) as (row, kvh, sp):
+            T.import_source(FENCE_SOURCE)
+            Qs = T.alloc_shared((head_tile, DIM), dtype)
+            Ks = T.alloc_shared((num_stages, TILE, DIM), dtype)
+            Vs = T.alloc_shared((num_stages, TILE, DIM), dtype)
+            Ps = T.alloc_shared((TILE, head_tile), dtype)
+            valid = T.alloc_shared((num_stages, TILE), "int32", scope="shared")
+            tok_page = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
+            tok_slot = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
+            tok = T.alloc_local((PER_THREAD,), "int32")
+            pg = T.alloc_local((PER_THREAD,), "int32")
+            counts = T.alloc_shared((2,), "int32", scope="shared")
+            full = T.alloc_barrier([2 * 128] * num_stages)
+            empty = T.alloc_barrier([128] * num_stages)
+            S = T.alloc_fragment((TILE, head_tile), "float32")
+            rowsum = T.alloc_fragment((TILE, head_tile), "float32")
+            Pf = T.alloc_fragment((TILE, head_tile), dtype)
+            acc = T.alloc_fragment((DIM, head_tile), "float32")
+            m_cur = T.alloc_fragment((head_tile,), "float32")
+            m_prev = T.alloc_fragment((head_tile,), "float32")
+            alpha = T.alloc_fragment((head_tile,), "float32")
+            l_sum = T.alloc_fragment((head_tile,), "float32")
+            b = T.alloc_var("int32")
+            local = T.alloc_var("int32")
+            nrows = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            tx = T.get_thread_binding()
+            # The wrapper checks K/V: unit feature stride, 16-byte aligned base and strides.
+            T.assume(skp % 8 == 0)
+            T.assume(sks % 8 == 0)
+            T.assume(skh % 8 == 0)
+            T.assume(svp % 8 == 0)
+            T.assume(svs % 8 == 0)
+            T.assume(svh % 8 == 0)
+
+            group = HQ // HKV
+            h0 = kvh * group
+
+            # ---- which request this row belongs to, and where it sits in it
+            b = 0
+            local = row
+            nrows = R
+            if row_mode == ROW_PADDED:
+                b = row // q_len
+                local = row % q_len
+                nrows = q_len
+            elif row_mode == ROW_CU:
+                # the last request whose first row is <= row (cu_seqlens_q is nondecreasing)
+                lo = 0
+                hi = n_req
+                for _ in T.serial(31):
+                    if hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if ROWMAP[mid] <= row:
+                            lo = mid
+                        else:
+                            hi = mid
+                b = T.if_then_else((row >= ROWMAP[0]) & (row < ROWMAP[n_req]), lo, -1)
+                local = row - ROWMAP[T.max(b, 0)]
+                nrows = ROWMAP[T.max(b, 0) + 1] - ROWMAP[T.max(b, 0)]
+            elif row_mode == ROW_TOKEN_TO_REQ:
+                # a row's index in its request is the number of earlier rows of that request
+                b = ROWMAP[row]
+                if tx == 0:
+                    counts[0] = 0
+                    counts[1] = 0
+                T.sync_threads()
+                fence()
+                before = T.alloc_var("int32")
+                total = T.alloc_var("int32")
+                before = 0
+                total = 0
+                for j in T.serial(T.ceildiv(R, threads)):
+                    r = j * threads + tx
+                    if r < R:
+                        if ROWMAP[r] == b:
+                            total += 1
+                            if r < row:
+                                before += 1
+                T.atomic_add(counts[0], before)
+                T.atomic_add(counts[1], total)
+                T.sync_threads()
+                local = counts[0]
+                nrows = counts[1]
+                b = T.if_then_else((b >= 0) & (b < n_req), b, -1)
+
+            bs = T.max(b, 0)
+            paged = (flags & PAGED) != 0
+            cap = T.if_then_else(paged, MP * PS, PS)
+            sk = T.if_then_else((flags & HAS_SEQ_LENS_K) != 0, SLK[bs], cap)
+            sq = T.if_then_else((flags & HAS_SEQ_LENS_Q) != 0, SLQ[bs], nrows)
+            live = (b >= 0) & (((flags & HAS_SEQ_LENS_Q) == 0) | (local < sq))
+            pos = T.if_then_else((flags & HAS_POSITIONS) != 0, QP[row], sk - sq + local)
+            limit = T.min(cap, sk)
+
+            # ---- this CTA's share of the row's token list
+            blocks = (flags & HAS_BLOCKS) != 0
+            n_slots = T.alloc_var("int32")
+            n_slots = W
+            block_slots = T.alloc_var("int32")  # list slots [0, block_slots) come from block ids
+            block_slots = T.if_then_else(blocks, 4 * NB, 0)
+            if (flags & COMPACT_BLOCKS) != 0:
+                # valid block ids are a prefix of the row: find its end, keep the 3 tail tokens
+                lo = 0
+                hi = NB + 1
+                for _ in T.serial(11):
+                    if hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if BI[row, mid - 1] >= 0:
+                            lo = mid
+                        else:
+                            hi = mid
+                n_slots = 4 * lo + 3
+                block_slots = 4 * lo
+            first = sp * chunk
+            last = T.min(n_slots, first + chunk)
+            n_tiles = T.ceildiv(T.max(last - first, 0), TILE)
+
+            if tx < 128:
+                # ---------------- producer: decode DECODE_TILES tiles of tokens at a time (all their
+                # loads in flight together), then gather each tile's K/V rows
+                ptx = tx
+                for it in T.serial(n_tiles):
+                    if it % DECODE_TILES == 0:
+                        # every producer thread is done reading the previous chunk's addresses
+                        T.sync_threads(PRODUCER_BARRIER, 128)
+                        fence()
+                        for j in T.unroll(PER_THREAD):
+                            s = first + it * TILE + j * 128 + ptx
+                            tok[j] = -1
+                            if s < last:
+                                if s < block_slots:
+                                    blk = BI[row, s // 4]
+                                    tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
+                                else:
+                                    # the tail tokens follow the 4 * NB block tokens in token_indices
+                                    tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+                        for j in T.unroll(PER_THREAD):
+                            t = tok[j]
+                            ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
+                            pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
+                            if paged:
+                                pg[j] = T.if_then_else(ok, BT[bs, T.max(t, 0) // PS], -1)
+                            pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
+                        for j in T.unroll(PER_THREAD):
+                            tok_page[j * 128 + ptx] = pg[j]  # -1: masked
+                            tok_slot[j * 128 + ptx] = T.if_then_else(paged, T.max(tok[j], 0) % PS, T.max(tok[j], 0))
+                        T.sync_threads(PRODUCER_BARRIER, 128)
+                        fence()
+                    st = it % num_stages
+                    c = (it % DECODE_TILES) * TILE
+                    T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
+                    fence()
+                    if ptx < TILE:
+                        valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
+                    # cp.async, zero-filled for masked tokens; the full barrier counts their completion
+                    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+                        Ks[st, k, d] = T.if_then_else(
+                            tok_page[c + k] >= 0, K[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
+                        )
+                    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+                        Vs[st, k, d] = T.if_then_else(
+                            tok_page[c + k] >= 0, V[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
+                        )
+                    fence()
+                    T.cp_async_barrier_noinc(full[st])
+                    T.barrier_arrive(full[st])
+            else:
+                # ---------------- consumer: QK^T, online softmax, PV
+                # Heads past the group are zero rows of Q, never stored.
+                for h, d in T.Parallel(head_tile, DIM):
+                    Qs[h, d] = T.if_then_else(h < group, Q[row, h0 + h, d], T.cast(0, dtype))
+                T.sync_threads(CONSUMER_BARRIER, 128)
+                fence()
+                T.fill(acc, 0)
+                T.fill(rowsum, 0)
+                T.fill(m_cur, M_FLOOR)
+                scale_log2 = scale * LOG2E
+                for it in T.serial(n_tiles):
+                    st = it % num_stages
+                    T.barrier_wait(full[st], (it // num_stages) & 1)
+                    fence()
+                    T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
+                    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+                    for k, h in T.Parallel(TILE, head_tile):
+                        S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
+                    T.copy(m_cur, m_prev)
+                    T.reduce_max(S, m_cur, dim=0, clear=False, batch=head_tile // 4)
+                    for h in T.Parallel(head_tile):
+                        alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
+                    for k, h in T.Parallel(TILE, head_tile):
+                        S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2)
+                        rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
+                    T.copy(S, Pf)
+                    T.copy(Pf, Ps)
+                    T.sync_threads(CONSUMER_BARRIER, 128)  # P is in shared memory
+                    fence()
+                    for d, h in T.Parallel(DIM, head_tile):
+                        acc[d, h] *= alpha[h]
+                    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
+                    fence()
+                    T.barrier_arrive(empty[st])
+
+                T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
+                if split:
+                    for d, h in T.Parallel(DIM, head_tile):
+                        if h < group:
+                            O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+                    for h in T.Parallel(head_tile):
+                        if h < group:
+                            LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                else:
+                    gated = (flags & HAS_GATE) != 0
+                    for d, h in T.Parallel(DIM, head_tile):
+                        if h < group:
+                            o = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+                            gv = T.if_then_else(gated, G[T.min(row, RG - 1), T.min(h0 + h, HG - 1), T.min(d, DG - 1)], 0)
+                            O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
+                    if (flags & WRITE_LSE) != 0:
+                        for h in T.Parallel(head_tile):
+                            if h < group:
+                                LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+
+    return main
+
+
+def merge(pdtype, odtype, threads):
+    """SplitKV merge, one CTA per (row, head): lse = log sum_s exp(l_s), out = sum_s exp(l_s - lse) o_s.
+
+    A split with l_s = -inf is skipped (its partial is never read); a row with no
+    live split gets 0 and -inf. The gate (FP32, flag HAS_GATE) multiplies the merged
+    output by sigmoid(gate). Strides are runtime, so this also serves the public
+    `merge_attention_states` on caller-made partials.
+    """
+    S, R, H, D, RG, HG, DG, RL, HL = T.dynamic("S R H D RG HG DG RL HL")
+    sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, sor, soh, sod, smr, smh = T.dynamic(
+        "sps spr sph spd sls slr slh sgr sgh sgd sor soh sod smr smh", "int64"
+    )
+
+    @T.prim_func
+    def main(
+        PO: T.StridedTensor((S, R, H, D), (sps, spr, sph, spd), pdtype),
+        PL: T.StridedTensor((S, R, H), (sls, slr, slh), "float32"),
+        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        O: T.StridedTensor((R, H, D), (sor, soh, sod), odtype),
+        LSE: T.StridedTensor((RL, HL), (smr, smh), "float32"),
+        flags: T.int32,
+    ):
+        with T.Kernel(R * H, threads=threads) as bx:
+            r = bx // H
+            h = bx % H
+            tx = T.get_thread_binding()
+            m = T.alloc_var("float32")
+            total = T.alloc_var("float32")
+            m = NEG_INF
+            for s in T.serial(S):
+                m = T.max(m, PL[s, r, h])
+            total = 0
+            for s in T.serial(S):
+                if PL[s, r, h] > NEG_INF:
+                    total += T.exp(PL[s, r, h] - m)
+            gated = (flags & HAS_GATE) != 0
+            for i in T.serial(T.ceildiv(D, threads)):
+                d = i * threads + tx
+                if d < D:
+                    acc = T.alloc_var("float32")
+                    acc = 0
+                    for s in T.serial(S):
+                        if PL[s, r, h] > NEG_INF:
+                            acc += T.exp(PL[s, r, h] - m) * T.cast(PO[s, r, h, d], "float32")
+                    o = T.if_then_else(total > 0, acc / total, 0)
+                    gv = T.if_then_else(gated, G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(d, DG - 1)], 0)
+                    O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
+            if ((flags & WRITE_LSE) != 0) & (tx == 0):
+                LSE[r, h] = T.if_then_else(total > 0, m + T.log(total), NEG_INF)
+
+    return main
