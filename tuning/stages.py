@@ -269,7 +269,69 @@ GQA_FWD = Tunable(
 )
 
 
-TUNABLES = {t.stage: t for t in (MQA_LOGITS, MQA_DECODE, NSA_SELECTION, GQA_FWD)}
+# ---------------------------------------------------------------- QSA sparse attention and its SplitKV merge
+
+QSA_HQ, QSA_HKV, QSA_DIM, QSA_TILE = 24, 2, 256, 64  # canonical geometry (mate.qsa.kernels.sparse)
+
+
+def _qsa_limits(spec, t):
+    if t["head_tile"] < 16 or t["head_tile"] % 8:
+        return f"head_tile {t['head_tile']} must be a multiple of 8 (wgmma N) holding a group of up to 16 heads"
+    # Q and P tiles, the K/V ring, reduction workspaces; token lists, flags and barriers are static (about 5 KB).
+    smem = _bytes(spec) * (t["head_tile"] * QSA_DIM + 2 * t["num_stages"] * QSA_TILE * QSA_DIM + QSA_TILE * t["head_tile"])
+    smem += 4096 + 5 * 1024
+    if smem > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    return None
+
+
+def _qsa_workload(spec, shape):
+    """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages."""
+    batch, context, width, page = shape["batch"], shape["context"], shape["width"], 64
+    dt = _dtype(spec)
+    pages = context // page
+    k = torch.randn(batch * pages, page, QSA_HKV, QSA_DIM, device="cuda").to(dt)
+    v = torch.randn_like(k)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, QSA_HQ, QSA_DIM, device="cuda").to(dt)
+    tokens = torch.randint(0, context, (batch, width), device="cuda", dtype=torch.int32)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=4 if spec["split"] else 1, return_lse=True)
+    return (lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw),
+            lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
+
+
+QSA_ATTENTION = Tunable(
+    stage="qsa_attention",
+    space=dict(head_tile=(16,), num_stages=(1, 2, 3)),
+    limits=_qsa_limits,
+    shapes=dict(quick=[dict(batch=64, context=32768, width=2051)],
+                full=[dict(batch=64, context=32768, width=2051), dict(batch=8, context=32768, width=2051)]),
+    workload=_qsa_workload,
+    tol=1e-2,
+)
+
+
+def _merge_workload(spec, shape):
+    splits, rows = shape["splits"], shape["rows"]
+    po = torch.randn(splits, rows, QSA_HQ, QSA_DIM, device="cuda").to(getattr(torch, spec["pdtype"]))
+    pl = torch.randn(splits, rows, QSA_HQ, device="cuda")
+    odt = getattr(torch, spec["odtype"])
+    return (lambda: mate.merge_attention_states(po, pl, out_dtype=odt),
+            lambda: mate.merge_attention_states(po, pl, out_dtype=odt, backend="reference"))
+
+
+QSA_MERGE = Tunable(
+    stage="qsa_merge",
+    space=dict(threads=(64, 128, 256)),
+    limits=lambda spec, t: None,
+    shapes=dict(quick=[dict(splits=8, rows=64)], full=[dict(splits=8, rows=64), dict(splits=16, rows=8)]),
+    workload=_merge_workload,
+    tol=1e-2,
+)
+
+
+TUNABLES = {t.stage: t for t in (MQA_LOGITS, MQA_DECODE, NSA_SELECTION, GQA_FWD, QSA_ATTENTION, QSA_MERGE)}
 
 
 def rel_error(out, ref) -> float:
