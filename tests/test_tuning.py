@@ -152,7 +152,8 @@ def test_dry_run_prints_the_space_without_compiling(capsys, monkeypatch):
     assert cli.main(["--stage", "mqa_decode", "--keys", "dtype=bfloat16,page_size=16", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "dtype=bfloat16,page_size=16: 5 candidates, 1 pruned" in out
-    assert "* block_keys=64 threads=128" in out  # the current entry, measured first
+    current = _dispatch.tiles("mqa_decode", {"dtype": "bfloat16", "page_size": 16}, "sm90")
+    assert f"* block_keys={current['block_keys']} threads={current['threads']}" in out  # the current entry, measured first
     assert "- block_keys=64 threads=256: block_keys 64 does not give each of 2 warpgroups" in out
 
 
@@ -160,9 +161,11 @@ def test_dry_run_prints_the_space_without_compiling(capsys, monkeypatch):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_compile_only_compiles_in_parallel_and_records_failures(tmp_path, monkeypatch, capsys):
     # Two candidates: one compiles; one passes the limits but the kernel refuses it (threads do not split the loads).
+    # The current config entry is one of them, so no third candidate is compiled for it.
     t = TUNABLES["mqa_decode"]
-    monkeypatch.setitem(TUNABLES, "mqa_decode", Tunable(t.stage, dict(block_keys=(64,), threads=(128, 384)), lambda s, x: None,
-                                                        t.shapes, t.workload, t.tol))
+    cur = _dispatch.tiles("mqa_decode", {"dtype": "bfloat16", "page_size": 16}, "sm90")
+    space = dict(block_keys=(cur["block_keys"],), threads=(cur["threads"], 384))
+    monkeypatch.setitem(TUNABLES, "mqa_decode", Tunable(t.stage, space, lambda s, x: None, t.shapes, t.workload, t.tol))
     cache = tmp_path / "cache.json"
     args = ["--stage", "mqa_decode", "--keys", "dtype=bfloat16,page_size=16", "--compile-only", "--jobs", "2", "--cache", str(cache)]
     assert cli.main(args) == 0
@@ -196,8 +199,10 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     timed = []
     monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
 
+    # The scenario starts from block_keys 64 / threads 128, whatever the shipped config holds.
+    text = configfile.merge(TEXT, "mqa_decode", {key: {"block_keys": 64, "threads": 128}})
     config = tmp_path / "sm90.yaml"
-    config.write_text(TEXT)
+    config.write_text(text)
     args = ["--stage", "mqa_decode", "--keys", key, "--write", str(config), "--cache", str(tmp_path / "cache.json")]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
@@ -206,7 +211,7 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     entry = yaml.safe_load(config.read_text())["mqa_decode"][key]
     assert (entry["block_keys"], entry["threads"]) == (128, 128)
     assert "Fake GPU" in entry["measured"] and "2000.0 us" in entry["measured"] and "was 3000.0 us" in entry["measured"]
-    assert config.read_text().replace(f"  {key}: {configfile.render('mqa_decode', entry)}", "") == TEXT.replace(
+    assert config.read_text().replace(f"  {key}: {configfile.render('mqa_decode', entry)}", "") == text.replace(
         f"  {key}: {{block_keys: 64, threads: 128}}", "")
 
     # Resumed: every candidate comes from the cache, and the new entry (now current) stays.

@@ -286,8 +286,13 @@ def _qsa_limits(spec, t):
 
 
 def _qsa_workload(spec, shape):
-    """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages."""
-    batch, context, width, page = shape["batch"], shape["context"], shape["width"], 64
+    """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages.
+
+    The key's `wide` picks the grid size (two CTAs per SM or more, or fewer): the batch is scaled to match.
+    """
+    splits = 4 if spec["split"] else 1
+    batch = shape["batch"] if spec["wide"] else max(1, shape["batch"] // 16)
+    context, width, page = shape["context"], shape["width"], 64
     dt = _dtype(spec)
     pages = context // page
     k = torch.randn(batch * pages, page, QSA_HKV, QSA_DIM, device="cuda").to(dt)
@@ -296,7 +301,7 @@ def _qsa_workload(spec, shape):
     q = torch.randn(batch, QSA_HQ, QSA_DIM, device="cuda").to(dt)
     tokens = torch.randint(0, context, (batch, width), device="cuda", dtype=torch.int32)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=4 if spec["split"] else 1, return_lse=True)
+    kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=splits, return_lse=True)
     return (lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw),
             lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
 
@@ -305,8 +310,9 @@ QSA_ATTENTION = Tunable(
     stage="qsa_attention",
     space=dict(head_tile=(16,), num_stages=(1, 2, 3)),
     limits=_qsa_limits,
-    shapes=dict(quick=[dict(batch=64, context=32768, width=2051)],
-                full=[dict(batch=64, context=32768, width=2051), dict(batch=8, context=32768, width=2051)]),
+    # batch 256: 512 CTAs (wide); the narrow keys run batch 16 (32 CTAs, 128 with 4 splits)
+    shapes=dict(quick=[dict(batch=256, context=32768, width=2051)],
+                full=[dict(batch=256, context=32768, width=2051), dict(batch=128, context=16384, width=2051)]),
     workload=_qsa_workload,
     tol=1e-2,
 )

@@ -448,7 +448,10 @@ def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, comp
             lse_rows.fill_(float("-inf"))
         return (out, lse) if return_lse else out
 
-    spec = {"dtype": str(query.dtype).removeprefix("torch."), "split": int(splits > 1)}
+    # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
+    # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
+    wide = rows * hkv * splits >= 2 * _sm_count(dev.index or 0)
+    spec = {"dtype": str(query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
     attend = _dispatch.kernel(ATTENTION.name, spec, target)
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
     meta = (ti, opt(bi, 2), opt(block_table, 2), opt(rowmap, 1), opt(seq_lens_q, 1), opt(seq_lens_k, 1), opt(qp, 1), g)

@@ -88,7 +88,8 @@ NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"  # completion is tra
 ROW_PADDED, ROW_CU, ROW_TOKEN_TO_REQ, ROW_PHYSICAL = 0, 1, 2, 3
 
 
-def sparse_attention(dtype, split, head_tile, num_stages):
+def sparse_attention(dtype, split, wide, head_tile, num_stages):
+    # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
     threads = 256  # consumer warpgroup + producer warpgroup
     warps = 4  # producer warps; warp w gathers slots w, w + 4, ...
     per_warp = TILE // warps
