@@ -16,15 +16,24 @@ wgmma's M of 64, so the 64 tokens of a tile are the M operand and the heads N:
     S^T [64, heads]  = K_tile [64, D] . Q^T
     O^T [D, heads]  += V_tile^T [D, 64] . P^T [64, heads]
 
-Warp specialization: a consumer warpgroup (warps 4-7) runs the MMAs and the online
-softmax; a producer warpgroup (warps 0-3; TileLang 0.1.15 emits
-cp.async into a swizzled tile only from the first warps) decodes each tile's tokens and gathers their K/V
-rows with cp.async (one 512-byte row per warp instruction, zero-filled for a
-masked token) into a ring of `num_stages` tiles. Each stage has a `full`
-mbarrier (producer -> consumer: the cp.async arrivals plus one plain arrival
-per producer thread, which also publishes the stage's token-valid flags) and
-an `empty` one (consumer -> producer). Both roles run the same number of
-tiles, zero included, so no copy is ever left in flight.
+Warp specialization: a consumer warpgroup (warps 4-7) runs the MMAs and the
+online softmax; a producer warpgroup (warps 0-3: TileLang 0.1.15 emits cp.async
+into a swizzled tile only from the first warps) decodes DECODE_TILES tiles of
+token ids at a time (all their loads in flight together) into shared memory,
+then gathers each tile's K/V rows with cp.async (one 512-byte row per warp
+instruction, zero-filled for a masked token) into a ring of `num_stages`
+tiles. Each stage has a `full` mbarrier (producer -> consumer: the cp.async
+arrivals plus one plain arrival per producer thread, which also publishes the
+stage's token-valid flags) and an `empty` one (consumer -> producer). Both
+roles run the same number of tiles, zero included, so no copy is ever left in
+flight. Named barriers: TileLang's cross-warp reductions in the consumer use
+ids 1 and 2, so the producer syncs on 3.
+
+Where the time goes (H200, benchmarks/results/qsa_attention_h200.json): the
+consumer is latency-bound at about 1.4 us per 64-token tile (32 wgmmas of
+N = 16 and a cross-warp max; the tensor pipe is 5% busy), so a grid with two
+CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
+(configs: `wide`).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -35,7 +44,7 @@ derived in the kernel from the caller's buffers, with `row_mode`:
 0 padded query (row // q_len), 1 cu_seqlens_q (binary search), 2 token_to_req
 (order of appearance, counted by the CTA), 3 physical ids (no request, no
 causal mask). Optional buffers are flagged in `flags` (bit values below); an
-absent one is a 1-element dummy that is never read.
+absent one is a 1-element placeholder that is never read.
 
 `split=False`: the CTA owns the whole token list and writes the output
 (gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
@@ -52,7 +61,6 @@ M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an al
 LOG2E = 1.4426950408889634
 TILE = 64  # tokens per tile: wgmma's M per warpgroup
 DIM = 256
-VEC = 8  # bf16/fp16 elements per 16-byte cp.async
 
 # flags bits
 HAS_SEQ_LENS_Q = 1
@@ -90,9 +98,7 @@ ROW_PADDED, ROW_CU, ROW_TOKEN_TO_REQ, ROW_PHYSICAL = 0, 1, 2, 3
 
 def sparse_attention(dtype, split, wide, head_tile, num_stages):
     # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
-    threads = 256  # consumer warpgroup + producer warpgroup
-    warps = 4  # producer warps; warp w gathers slots w, w + 4, ...
-    per_warp = TILE // warps
+    threads = 256  # producer warpgroup + consumer warpgroup
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
     NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
     (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
