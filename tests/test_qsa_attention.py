@@ -721,3 +721,11 @@ def test_row_chunking_is_result_neutral(gen, monkeypatch):
     monkeypatch.setattr(reference, "_GATHER_BUDGET", 2 * 9 * 2 * 8)  # two rows per chunk
     chunked = call(qt["query"], key, value, kw)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_split_heuristic_fills_one_wave():
+    """num_splits=None on 132 SMs, 2051 tokens (33 tiles): the split counts the H200 sweep favoured."""
+    from mate.qsa.attention import choose_splits
+
+    assert [choose_splits(rows * 2, 33, 132) for rows in (1, 8, 64, 256, 4096)] == [16, 8, 1, 1, 1]
+    assert choose_splits(1, 1, 132) == 1  # one tile is never split
