@@ -36,6 +36,8 @@ one more KB (MAX_SLOTS = 256) drops it to 2 CTAs and costs 18%.
 
 import tilelang.language as T
 
+from mate._tl import softmax_step_keys_as_m
+
 NEG_INF = -T.infinity("float32")
 LOG2E = 1.4426950408889634
 TILE_KEYS = 64  # wgmma's M per warpgroup
@@ -150,13 +152,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                     slot = it * per_tile + k // block_size
                     n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
                     S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
-                T.copy(m_cur, m_prev)
-                T.reduce_max(S, m_cur, dim=0, clear=False, batch=head_tile // 4)
-                for h in T.Parallel(head_tile):
-                    alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
-                for k, h in T.Parallel(TILE_KEYS, head_tile):
-                    S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2)
-                    rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
+                softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
                 T.copy(S, P)
                 T.copy(P, Ps)
                 for d, h in T.Parallel(dim, head_tile):

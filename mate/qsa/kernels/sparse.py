@@ -55,6 +55,8 @@ owns a contiguous share of the list and writes FP32 partials to a workspace;
 import tilelang.language as T
 from tvm import tirx
 
+from mate._tl import softmax_step_keys_as_m
+
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
 M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an all-masked tile is 1
@@ -322,13 +324,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                     T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
                     for k, h in T.Parallel(TILE, head_tile):
                         S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
-                    T.copy(m_cur, m_prev)
-                    T.reduce_max(S, m_cur, dim=0, clear=False, batch=head_tile // 4)
-                    for h in T.Parallel(head_tile):
-                        alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
-                    for k, h in T.Parallel(TILE, head_tile):
-                        S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2)
-                        rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
+                    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
                     T.copy(S, Pf)
                     T.copy(Pf, Ps)
                     T.sync_threads(CONSUMER_BARRIER, 128)  # P is in shared memory
