@@ -91,15 +91,8 @@ def nsa_selection_attention(
 
     if backend == "reference":
         o_ref, lse_ref = reference.selection_attention(q, k, v, block_indices, block_counts, block_size, mult)
-        o_ref = o_ref.to(q.dtype)
-        if out is None:
-            out = o_ref
-        else:
-            out.copy_(o_ref)
-        if lse is None:
-            lse = lse_ref
-        else:
-            lse.copy_(lse_ref)
+        out = o_ref.to(q.dtype) if out is None else out.copy_(o_ref)
+        lse = lse_ref if lse is None else lse.copy_(lse_ref)
         return out, lse
 
     C.native_dtype("q", q)

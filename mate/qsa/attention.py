@@ -311,13 +311,8 @@ def qsa_sparse_attention(
         query_positions=query_positions, block_table=block_table, scale=mult,
     )
     res = reference.apply_gate(res, gate)
-    if out is None:
-        out = res.to(query.dtype)
-    else:
-        out.copy_(res)
-    if lse is not None:
-        lse.copy_(res_lse)
-        res_lse = lse
+    out = res.to(query.dtype) if out is None else out.copy_(res)
+    res_lse = res_lse if lse is None else lse.copy_(res_lse)
     return (out, res_lse) if return_lse else out
 
 

@@ -110,12 +110,6 @@ def merge_attention_states(
 
     res, res_lse = reference.merge_states(partial_out, partial_lse)
     res = reference.apply_gate(res, gate)
-    if out is None:
-        out = res.to(dtype)
-    else:
-        out.copy_(res)
-    if lse is None:
-        lse = res_lse
-    else:
-        lse.copy_(res_lse)
+    out = res.to(dtype) if out is None else out.copy_(res)
+    lse = res_lse if lse is None else lse.copy_(res_lse)
     return out, lse
