@@ -431,8 +431,9 @@ def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, comp
     q_len = query.shape[1] if lead == 2 else 1
     width = ti.shape[-1]
     tiles = -(-width // kernels.TILE)
+    sms = _sm_count(dev.index)
     if num_splits is None:
-        num_splits = 1 if kv_layout == "padded" else choose_splits(rows * hkv, tiles, _sm_count(dev.index or 0))
+        num_splits = 1 if kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
     splits = max(1, min(num_splits, tiles))
     chunk = -(-tiles // splits) * kernels.TILE
     if rows == 0 or hq == 0:
@@ -445,7 +446,7 @@ def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, comp
 
     # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
     # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
-    wide = rows * hkv * splits >= 2 * _sm_count(dev.index or 0)
+    wide = rows * hkv * splits >= 2 * sms
     spec = {"dtype": str(query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
     attend = _dispatch.kernel(ATTENTION.name, spec, target)
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
