@@ -78,8 +78,6 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             Os = T.alloc_shared((head_tile, dim), dtype)
             # Static shared memory: never aliased with the dynamic pool (reduction workspaces),
             # which matters because the producer and consumer warps read it at different times.
-            flags = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
-            entries = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
             blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
             used = T.alloc_shared((1,), "int32", scope="shared")
             S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
@@ -108,20 +106,25 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             # (padding up to head_tile) are zero rows, never stored.
             for h, d in T.Parallel(head_tile, dim):
                 Qs[h, d] = T.if_then_else(h < group_heads, Q[bb, bm, h0 + h, d], T.cast(0, dtype))
-            # Compact the used entries of this row, in slot order, into `blocks`.
-            for t in T.Parallel(MAX_SLOTS):
-                e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
-                entries[t] = e
-                flags[t] = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
+            # Compact the used entries of this row, in slot order, into `blocks`: entry t goes to the
+            # count of used entries before it, which each thread takes from the indices themselves
+            # (L1 hits, the same addresses across the CTA), four loads in flight. Counting from shared flags instead needs a 128-thread
+            # barrier first, after which compute-sanitizer's racecheck reports a hazard on `used`
+            # across the CTA barrier below (a false positive by the SASS: STS, BAR.SYNC 0, LDS).
             for t in T.Parallel(MAX_SLOTS):
                 rank = T.alloc_var("int32")
                 rank = 0
-                for u in T.serial(T.min(t, slots)):
-                    rank += flags[u]
-                if flags[t] != 0:
-                    blocks[rank] = entries[t]
+                for u4 in T.serial(T.ceildiv(slots, 4)):
+                    for j in T.unroll(4):
+                        u = u4 * 4 + j
+                        eu = BI[bb, bm, bg, T.min(u, slots - 1)]
+                        rank += T.if_then_else((u < t) & (eu >= 0) & (eu <= last_block), 1, 0)
+                e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
+                keep = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
+                if keep != 0:
+                    blocks[rank] = e
                 if t == MAX_SLOTS - 1:
-                    used[0] = rank + flags[t]
+                    used[0] = rank + keep
 
             n_used = used[0]
             T.fill(acc, 0)
