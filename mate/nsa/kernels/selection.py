@@ -118,7 +118,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                     for j in T.unroll(4):
                         u = u4 * 4 + j
                         eu = BI[bb, bm, bg, T.min(u, slots - 1)]
-                        rank += T.if_then_else((u < t) & (eu >= 0) & (eu <= last_block), 1, 0)
+                        rank += T.if_then_else((u < T.min(t, slots)) & (eu >= 0) & (eu <= last_block), 1, 0)
                 e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
                 keep = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
                 if keep != 0:
