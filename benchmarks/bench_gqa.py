@@ -80,7 +80,7 @@ def timed_ms(fn) -> float:
     return graph_ms(fn, target_ms=40)
 
 
-REPORT = dict(stage="gqa_fwd", quick=["--dims", "128", "--lengths", "4096", "16384", "--windows", "4096,0", "-1,0"], full=[])
+REPORT = dict(stage="gqa_fwd", quick=["--dims", "128", "--lengths", "4096", "16384", "--windows", "4096,0", "causal"], full=[])
 
 
 def figures(result):
@@ -101,14 +101,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
-    ap.add_argument("--windows", type=str, nargs="+", default=None, help="e.g. 512,0 -1,0")
+    ap.add_argument("--windows", type=str, nargs="+", default=None, help="left,right pairs or 'causal' (= -1,0), e.g. 512,0 causal")
     ap.add_argument("--depths", action="store_true", help="also time the other mma_depth schedule")
     ap.add_argument("--extra", type=str, action="append", default=[],
                     help="DIM:key=value,... also time these tile overrides for head dim DIM, e.g. 64:block_m=192,threads=384")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--out", type=str, default=str(RESULTS / "gqa_h200.json"))
     args = ap.parse_args(argv)
-    windows = WINDOWS if args.windows is None else [tuple(int(x) for x in w.split(",")) for w in args.windows]
+    # argparse takes "-1,0" for an option, so the causal window is also spelled "causal".
+    windows = WINDOWS if args.windows is None else [(-1, 0) if w == "causal" else tuple(int(x) for x in w.split(",")) for w in args.windows]
 
     torch.manual_seed(0)
     dev = torch.device("cuda")

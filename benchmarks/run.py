@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             figs = module.figures(entry["result"])
             entry["png"] = plot(figs, args.out_dir / f"{stem}-{stage}.png", f"{env['gpu']}, commit {env['commit']}").name
             print(f"\n{table(figs)}", flush=True)
-        except Exception as e:  # one stage's failure must not lose the others' results
+        except (Exception, SystemExit) as e:  # one stage's failure (argparse exits too) must not lose the others' results
             traceback.print_exc()
             entry["error"] = f"{type(e).__name__}: {e}"
         torch.cuda.empty_cache()

@@ -1,8 +1,11 @@
 """The benchmark report on the CPU: discovery of the stages, figures from each script's result rows, plots, tables.
 The benchmarks themselves need a GPU (benchmarks/run.py on the device)."""
 
+import argparse
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -30,6 +33,25 @@ def test_every_stage_benchmark_takes_part_with_both_presets():
     assert {"mqa", "nsa_selection", "gqa_fwd"} <= set(mods)
     for m in mods.values():
         assert {"quick", "full"} <= set(m.REPORT) and callable(m.main) and callable(m.figures)
+
+
+def test_every_preset_parses(monkeypatch):
+    """Each stage's preset arguments parse with its script's own parser (stopping right after, before any GPU work)."""
+
+    class Parsed(Exception):
+        pass
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse_args(self, args, namespace)  # a preset its parser refuses exits here, failing the test
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    for stage, module in run.benchmarks().items():
+        for preset in ("quick", "full"):
+            with pytest.raises(Parsed):
+                module.main(list(module.REPORT[preset]))
 
 
 def test_figures_plots_and_tables(tmp_path):
