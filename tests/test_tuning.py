@@ -219,3 +219,29 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     assert cli.main(args) == 0
     assert "unchanged" in capsys.readouterr().out
     assert yaml.safe_load(config.read_text())["mqa_decode"][key] == entry
+
+
+def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatch):
+    """NSA's reference checks the last rows of the timed shape: the tuner compares the picked slice, and a
+    wrong value inside it still disqualifies the candidate."""
+    import torch
+
+    from tuning import measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: 0.002)
+    t = TUNABLES["mqa_decode"]
+    key = "dtype=bfloat16,page_size=16"
+    tiles = {"block_keys": 128, "threads": 256}
+
+    def run(native_out):
+        tun = Tunable(t.stage, t.space, t.limits, t.shapes,
+                      lambda spec, shape: (lambda: native_out, lambda: torch.tensor([1.0, 2.0]), lambda out: out[1:]), t.tol)
+        loads = cli.workloads(tun, _dispatch.parse_key(key), [{}])
+        refs = [ref() for _, ref, _ in loads]
+        return cli.measure(tun, "sm90", _dispatch.load_config("sm90"), key, tiles, loads, refs)
+
+    assert run(torch.tensor([-7.0, 1.0, 2.0])) == {"us": pytest.approx(2.0), "shapes_us": [pytest.approx(2.0)]}
+    assert "wrong" in run(torch.tensor([1.0, 1.0, 3.0]))
+    # A workload without a pick compares the whole output.
+    loads = cli.workloads(Tunable(t.stage, t.space, t.limits, t.shapes, lambda s, x: (1, 2), t.tol), {}, [{}])
+    assert loads[0][:2] == (1, 2) and loads[0][2]("out") == "out"

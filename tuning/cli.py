@@ -102,6 +102,15 @@ def compile_all(jobs: list[tuple[str, dict]], stage: str, target: str, cache: Ca
             cache.put("compile", key, tiles, {"error": f.result()})
 
 
+def workloads(tunable, spec: dict, shapes: list[dict]) -> list[tuple]:
+    """(native, reference, pick) per shape; `pick` is the identity where the stage's workload gives none."""
+    loads = []
+    for shape in shapes:
+        native, reference, *pick = tunable.workload(spec, shape)
+        loads.append((native, reference, pick[0] if pick else (lambda out: out)))
+    return loads
+
+
 def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     """Check every shape against the reference, then time it; {'us': geomean, 'shapes_us': [...]} or {'error'/'wrong': ...}."""
     from tuning.measure import graph_ms
@@ -109,8 +118,8 @@ def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     try:
         with configfile.using_tiles(target, tunable.stage, key, tiles, config):
             times = []
-            for (native, _), ref in zip(loads, refs):
-                err = rel_error(native(), ref)
+            for (native, _, pick), ref in zip(loads, refs):
+                err = rel_error(pick(native()), ref)
                 if not err <= tunable.tol:
                     return {"wrong": f"relative error {err:.2e} > {tunable.tol:.0e}"}
                 times.append(graph_ms(native) * 1e3)
@@ -189,8 +198,8 @@ def main(argv=None) -> int:
     rows, updates = [], {}
     for key, (cands, _, current) in plan.items():
         spec = _dispatch.parse_key(key)
-        loads = [tunable.workload(spec, s) for s in shapes]
-        refs = [ref() for _, ref in loads]
+        loads = workloads(tunable, spec, shapes)
+        refs = [ref() for _, ref, _ in loads]
         results = []
         for tiles in tqdm(cands, desc=key, unit="cand"):
             res = cache.get(env["gpu"], key, tiles)
