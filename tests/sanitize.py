@@ -2,11 +2,13 @@
 
     python tests/sanitize.py [--tools memcheck,racecheck] [--cases mqa_decode,...]
 
-For each tool this starts `compute-sanitizer --tool <tool> python tests/sanitize.py --run ...`,
-which calls each case natively three times (its edge-case inputs, then twice
-with refreshed metadata) and checks the outputs against the reference. It
-exits non-zero if a tool reports any error, a case fails, or the sanitizer
-does not run. Needs a Hopper GPU and compute-sanitizer (on the PATH, or under
+For each tool and case this starts `compute-sanitizer --tool <tool> python tests/sanitize.py --run --cases <case>`,
+which calls the case natively three times (its edge-case inputs, then twice
+with refreshed metadata) and checks the outputs against the reference. The
+cases run in parallel processes (--jobs; racecheck is slow, one process per
+case keeps the whole run to the slowest case), each log printed whole when
+its process ends. It exits non-zero if a tool reports any error, a case
+fails, or the sanitizer does not run. Needs a Hopper GPU and compute-sanitizer (on the PATH, or under
 /usr/local/cuda*/bin, or --sanitizer).
 
 PyTorch's caching allocator is off in the checked process
@@ -26,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -81,32 +84,28 @@ def find_sanitizer(explicit: str | None) -> str | None:
     return None
 
 
-def sanitize(tool: str, sanitizer: str, names: list[str]) -> tuple[bool, str]:
+def sanitize(tool: str, sanitizer: str, name: str) -> tuple[bool, str]:
+    """One case under one tool, in its own process: (ok, verdict line); its log is printed when it ends."""
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
         if "--padding" in subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout:
             cmd += ["--padding", "1024"]  # a gap after each allocation: over-reads land outside any
-    cmd += [sys.executable, str(Path(__file__).resolve()), "--run", "--cases", ",".join(names)]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--run", "--cases", name]
     if tool == "racecheck":
         # Racecheck instruments every shared-memory access of every kernel and is slow; correctness was
         # checked in the warm-up and under memcheck, so skip the reference's many kernels here.
         cmd.append("--no-check")
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    print("[sanitize] $", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # streamed, so a run cut short still shows how far it got
-        print(line, end="", flush=True)
-        lines.append(line)
-    proc.wait()
-    log = "".join(lines)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = proc.stdout
+    print(f"[sanitize] $ {' '.join(cmd)}\n{log}", end="" if log.endswith("\n") else "\n", flush=True)
     # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
     summary = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", log)
     errors = sum(int(a or b or 0) for a, b, _ in summary)
     warnings = sum(int(w or 0) for _, _, w in summary)
     ok = proc.returncode == 0 and bool(summary) and errors == 0
-    verdict = (f"{tool}: exit {proc.returncode}, {errors} errors, {warnings} racecheck warnings"
+    verdict = (f"{tool} {name}: exit {proc.returncode}, {errors} errors, {warnings} racecheck warnings"
                f"{'' if summary else ', no summary line'} -> {'OK' if ok else 'FAILED'}")
     return ok, verdict
 
@@ -118,6 +117,7 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="with --run: skip the comparison with the reference")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--sanitizer", default=None, help="path of compute-sanitizer")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="sanitized processes at a time")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from cases import CASES
@@ -136,7 +136,9 @@ def main() -> int:
     print("[sanitize] warm-up (compiles the kernels outside the sanitizer)", flush=True)
     if run_cases(names):
         return 1
-    verdicts = [sanitize(tool, sanitizer, names) for tool in args.tools.split(",")]
+    jobs = [(tool, name) for tool in args.tools.split(",") for name in names]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        verdicts = list(pool.map(lambda job: sanitize(job[0], sanitizer, job[1]), jobs))
     for _, verdict in verdicts:
         print("[sanitize]", verdict, flush=True)
     return 0 if all(ok for ok, _ in verdicts) else 1
