@@ -2,14 +2,15 @@
 
     python tests/sanitize.py [--tools memcheck,racecheck] [--cases mqa_decode,...]
 
-For each tool and case this starts `compute-sanitizer --tool <tool> python tests/sanitize.py --run --cases <case>`,
+For each tool and case this starts
+`compute-sanitizer --tool <tool> python tests/sanitize.py --run --cases <case>`,
 which calls the case natively three times (its edge-case inputs, then twice
 with refreshed metadata) and checks the outputs against the reference. The
-cases run in parallel processes (--jobs; racecheck is slow, one process per
-case keeps the whole run to the slowest case), each log printed whole when
-its process ends. It exits non-zero if a tool reports any error, a case
-fails, or the sanitizer does not run. Needs a Hopper GPU and compute-sanitizer (on the PATH, or under
-/usr/local/cuda*/bin, or --sanitizer).
+processes run in parallel (--jobs; racecheck is slow, and one process per case
+keeps the whole run to its slowest case), each log printed whole when its
+process ends. It exits non-zero if a tool reports any error, a case fails, or
+the sanitizer does not run. Needs a Hopper GPU and compute-sanitizer (on the
+PATH, or under /usr/local/cuda*/bin, or --sanitizer).
 
 PyTorch's caching allocator is off in the checked process
 (PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is its own allocation, so a

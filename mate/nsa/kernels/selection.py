@@ -108,9 +108,10 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                 Qs[h, d] = T.if_then_else(h < group_heads, Q[bb, bm, h0 + h, d], T.cast(0, dtype))
             # Compact the used entries of this row, in slot order, into `blocks`: entry t goes to the
             # count of used entries before it, which each thread takes from the indices themselves
-            # (L1 hits, the same addresses across the CTA), four loads in flight. Counting from shared flags instead needs a 128-thread
-            # barrier first, after which compute-sanitizer's racecheck reports a hazard on `used`
-            # across the CTA barrier below (a false positive by the SASS: STS, BAR.SYNC 0, LDS).
+            # (L1 hits, the same addresses across the CTA), four loads in flight. Counting from
+            # shared flags instead needs a 128-thread barrier first, after which compute-sanitizer's
+            # racecheck reports a hazard on `used` across the CTA barrier below (a false positive by
+            # the SASS: STS, BAR.SYNC 0, LDS).
             for t in T.Parallel(MAX_SLOTS):
                 rank = T.alloc_var("int32")
                 rank = 0
