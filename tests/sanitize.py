@@ -23,6 +23,7 @@ keeps them), so the sanitizer sees kernel launches, not nvcc.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import re
@@ -85,12 +86,17 @@ def find_sanitizer(explicit: str | None) -> str | None:
     return None
 
 
+@functools.cache
+def has_padding(sanitizer: str) -> bool:
+    return "--padding" in subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout
+
+
 def sanitize(tool: str, sanitizer: str, name: str) -> tuple[bool, str]:
     """One case under one tool, in its own process: (ok, verdict line); its log is printed when it ends."""
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
-        if "--padding" in subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout:
+        if has_padding(sanitizer):
             cmd += ["--padding", "1024"]  # a gap after each allocation: over-reads land outside any
     cmd += [sys.executable, str(Path(__file__).resolve()), "--run", "--cases", name]
     if tool == "racecheck":
