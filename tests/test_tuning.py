@@ -3,6 +3,10 @@ the parallel compile phase (with nvcc). The GPU phase (check and timing) runs on
 
 import math
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +17,7 @@ from tuning import cli, configfile
 from tuning.stages import TUNABLES, Tunable, candidates, rel_error
 
 CONFIG = _dispatch.config_dir() / "sm90.yaml"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
@@ -102,7 +107,7 @@ def test_merge_of_unchanged_entries_round_trips():
 
 def test_merge_replaces_in_place_adds_keys_and_stages():
     key = "dtype=bfloat16,dim=128,block_size=64"  # a multi-line entry in the committed file
-    new = dict(_entry("nsa_selection", key), num_stages=1, min_blocks=4, measured='H200 2026-11-30: 28.6 ms "quoted", a: colon')
+    new = dict(_entry("nsa_selection", key), num_stages=3, min_blocks=1, measured='H200 2026-11-30: 28.6 ms "quoted", a: colon')
     out = configfile.merge(TEXT, "nsa_selection", {key: new, "dtype=bfloat16,dim=256,block_size=64": dict(new, measured="")})
     data = yaml.safe_load(out)
     assert data["nsa_selection"][key] == new
@@ -245,3 +250,16 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     # A workload without a pick compares the whole output.
     loads = cli.workloads(Tunable(t.stage, t.space, t.limits, t.shapes, lambda s, x: (1, 2), t.tol), {}, [{}])
     assert loads[0][:2] == (1, 2) and loads[0][2]("out") == "out"
+
+
+def test_watchdog_records_a_hung_candidate_and_ends_the_process(tmp_path):
+    # A hung kernel is a host thread blocked in CUDA; a sleep stands in for it.
+    mark = tmp_path / "mark"
+    code = ("import time\nfrom tuning.cli import watchdog\n"
+            f"with watchdog(60, lambda: None):\n    pass\n"  # a block that ends in time leaves no trace
+            f"with watchdog(0.5, lambda: open({str(mark)!r}, 'w').write('hung')):\n    time.sleep(60)\n"
+            "print('not reached')\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=50)
+    assert proc.returncode == 3 and mark.read_text() == "hung" and "not reached" not in proc.stdout
+    assert time.monotonic() - start < 30

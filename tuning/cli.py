@@ -10,7 +10,10 @@ geometric mean of its shapes' times; the current entry is measured in the same
 run, and a candidate replaces it only when it is faster by more than --min-gain.
 
 Every result goes to a JSON cache as soon as it is measured, keyed by GPU,
-kernel source and shapes, so an interrupted run resumes where it stopped.
+kernel source and shapes, so an interrupted run resumes where it stopped. A
+candidate that runs past --candidate-timeout (a kernel that hangs: NSA's
+one-stage ring did) is recorded as failed and the run exits with status 3;
+the same command then goes on with the next candidate.
 
   mate-tune --stage mqa_decode [--keys dtype=bfloat16,page_size=16] [--shapes quick|full|FILE]
             [--target sm90] [--write configs/sm90.yaml] [--dry-run] [--compile-only]
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import datetime
 import hashlib
 import inspect
@@ -28,6 +32,7 @@ import math
 import multiprocessing
 import os
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -128,6 +133,27 @@ def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     return {"us": math.exp(sum(map(math.log, times)) / len(times)), "shapes_us": times}
 
 
+@contextlib.contextmanager
+def watchdog(seconds: float, on_expiry):
+    """Call `on_expiry` and end the process (exit status 3) if the block still runs after `seconds`.
+
+    A kernel that never finishes holds the host in a CUDA synchronize, where no
+    exception reaches it, and leaves the GPU unusable to this process.
+    """
+
+    def expire():
+        on_expiry()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def decide(results: list[tuple[dict, dict]], current: dict | None, min_gain: float):
     """(winner, its us, the current entry's us): the fastest correct candidate, or the current entry
     unless the winner beats it by more than `min_gain` (inf where the current entry is wrong or failed)."""
@@ -150,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile the candidates into TileLang's disk cache and stop (no GPU)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile processes")
     ap.add_argument("--min-gain", type=float, default=0.02, help="replace an entry only when faster by more than this fraction")
+    ap.add_argument("--candidate-timeout", type=float, default=180,
+                    help="seconds one candidate's check and timing may take; past it the candidate is recorded as failed and "
+                         "the run ends with exit status 3 (rerun to resume)")
     ap.add_argument("--cache", type=Path, help="results cache (default ~/.cache/mate/tune-<target>.json)")
     args = ap.parse_args(argv)
 
@@ -205,7 +234,18 @@ def main(argv=None) -> int:
             res = cache.get(env["gpu"], key, tiles)
             if res is None:
                 compiled = cache.get("compile", key, tiles)
-                res = {"error": compiled["error"]} if compiled and compiled["error"] else measure(tunable, args.target, config, key, tiles, loads, refs)
+                if compiled and compiled["error"]:
+                    res = {"error": compiled["error"]}
+                else:
+                    hung = {"error": f"did not finish within {args.candidate_timeout:g} s (a hung kernel?)"}
+
+                    def give_up(key=key, tiles=tiles, hung=hung):
+                        cache.put(env["gpu"], key, tiles, hung)
+                        print(f"\nmate-tune: {key} {tiles_str(tiles)}: {hung['error']}; recorded as failed in {cache.path}. "
+                              "Run the same command again to go on from there.", file=sys.stderr, flush=True)
+
+                    with watchdog(args.candidate_timeout, give_up):
+                        res = measure(tunable, args.target, config, key, tiles, loads, refs)
                 cache.put(env["gpu"], key, tiles, res)
             results.append((tiles, res))
         del loads, refs
