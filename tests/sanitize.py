@@ -5,12 +5,16 @@
 For each tool and case this starts
 `compute-sanitizer --tool <tool> python tests/sanitize.py --run --cases <case>`,
 which calls the case natively three times (its edge-case inputs, then twice
-with refreshed metadata) and checks the outputs against the reference. The
-processes run in parallel (--jobs; racecheck is slow, and one process per case
-keeps the whole run to its slowest case), each log printed whole when its
-process ends. It exits non-zero if a tool reports any error, a case fails, or
-the sanitizer does not run. Needs a Hopper GPU and compute-sanitizer (on the
+with refreshed metadata) and checks the outputs against the reference. Each
+log is printed whole when its process ends. It exits non-zero if a tool
+reports any error, a case fails, a process outlasts --timeout, or the
+sanitizer does not run. Needs a Hopper GPU and compute-sanitizer (on the
 PATH, or under /usr/local/cuda*/bin, or --sanitizer).
+
+One process at a time by default: on the H200 the racecheck run of mqa_score
+finished in about 40 s alone, but never (320 s, 520 s) beside other sanitized
+processes or the GPU test suite, and NSA's once; why is not known. --jobs N
+runs N at once, which is faster when it works.
 
 PyTorch's caching allocator is off in the checked process
 (PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is its own allocation, so a
@@ -28,6 +32,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -91,7 +96,7 @@ def has_padding(sanitizer: str) -> bool:
     return "--padding" in subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout
 
 
-def sanitize(tool: str, sanitizer: str, name: str) -> tuple[bool, str]:
+def sanitize(tool: str, sanitizer: str, name: str, timeout: float = 600) -> tuple[bool, str]:
     """One case under one tool, in its own process: (ok, verdict line); its log is printed when it ends."""
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
     if tool == "memcheck":
@@ -104,9 +109,16 @@ def sanitize(tool: str, sanitizer: str, name: str) -> tuple[bool, str]:
         # checked in the warm-up and under memcheck, so skip the reference's many kernels here.
         cmd.append("--no-check")
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = proc.stdout
+    # Its own session, so that a run past the limit is killed with the Python process the sanitizer started.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = (proc.communicate()[0] or "") + f"[sanitize] killed after {timeout:g} s\n"
     print(f"[sanitize] $ {' '.join(cmd)}\n{log}", end="" if log.endswith("\n") else "\n", flush=True)
+    if proc.returncode == -signal.SIGKILL:
+        return False, f"{tool} {name}: did not finish within {timeout:g} s -> FAILED"
     # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
     summary = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", log)
     errors = sum(int(a or b or 0) for a, b, _ in summary)
@@ -124,7 +136,8 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="with --run: skip the comparison with the reference")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--sanitizer", default=None, help="path of compute-sanitizer")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="sanitized processes at a time")
+    ap.add_argument("--jobs", type=int, default=1, help="sanitized processes at a time (see the docstring before raising it)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds one sanitized process may take before it is killed and failed")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from cases import CASES
@@ -145,7 +158,7 @@ def main() -> int:
         return 1
     jobs = [(tool, name) for tool in args.tools.split(",") for name in names]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        verdicts = list(pool.map(lambda job: sanitize(job[0], sanitizer, job[1]), jobs))
+        verdicts = list(pool.map(lambda job: sanitize(job[0], sanitizer, job[1], args.timeout), jobs))
     for _, verdict in verdicts:
         print("[sanitize]", verdict, flush=True)
     return 0 if all(ok for ok, _ in verdicts) else 1

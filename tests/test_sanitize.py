@@ -12,7 +12,7 @@ import sanitize  # noqa: E402
 def fake_sanitizer(tmp_path, body: str) -> str:
     """An executable that prints what a compute-sanitizer run would print, and records its arguments."""
     path = tmp_path / "compute-sanitizer"
-    path.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n{body}\n")
+    path.write_text(f"#!/bin/sh\n[ \"$1\" = --help ] && exit 0\necho \"$@\" >> {tmp_path / 'calls'}\n{body}\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
 
@@ -32,3 +32,9 @@ def test_one_process_per_case_and_its_verdict(tmp_path):
     silent = fake_sanitizer(tmp_path, "exit 0")  # a run that died before its summary is no pass
     ok, verdict = sanitize.sanitize("memcheck", silent, "mqa_decode")
     assert not ok and "no summary line" in verdict
+
+
+def test_a_process_past_its_time_limit_is_killed_and_failed(tmp_path):
+    stuck = fake_sanitizer(tmp_path, 'echo "started"; sleep 30; echo "========= ERROR SUMMARY: 0 errors"')
+    ok, verdict = sanitize.sanitize("memcheck", stuck, "qsa_paged", timeout=1)
+    assert not ok and verdict == "memcheck qsa_paged: did not finish within 1 s -> FAILED"
