@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                 else:
                     hung = {"error": f"did not finish within {args.candidate_timeout:g} s (a hung kernel?)"}
 
-                    def give_up(key=key, tiles=tiles, hung=hung):
+                    def give_up():
                         cache.put(env["gpu"], key, tiles, hung)
                         print(f"\nmate-tune: {key} {tiles_str(tiles)}: {hung['error']}; recorded as failed in {cache.path}. "
                               "Run the same command again to go on from there.", file=sys.stderr, flush=True)
