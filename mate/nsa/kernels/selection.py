@@ -49,7 +49,8 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
     assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
     # A one-stage ring deadlocks on the H200 after tens to hundreds of back-to-back launches
     # (8192 tokens, 128 heads: 1/1 and 1/3 stages/CTAs hung within 300 calls; 2/1, 2/3, 3/3 ran
-    # 3000). Its generated mbarrier protocol reads as sound; the cause is not found.
+    # 3000). Suspected, not yet confirmed: the producer warps that issue nothing can fall a
+    # phase behind an mbarrier and wait forever; benchmarks/nsa_hang.py --warp0-only tests it.
     assert num_stages >= 2, "num_stages=1 deadlocks intermittently on Hopper (see the comment); use 2 or more"
     per_tile = TILE_KEYS // block_size
     B, M, N, H, G, TT = T.dynamic("B M N H G TT")
