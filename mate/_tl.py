@@ -2,6 +2,16 @@
 
 import tilelang.language as T
 
+# TileLang 0.1.15's barrier intrinsics (bar.sync, mbarrier wait/arrive) are asm without a
+# "memory" clobber, so the compiler may move shared-memory loads and stores across them; a
+# compiler fence next to each barrier pins the order. A program that calls fence() imports
+# FENCE_SOURCE once (T.import_source).
+FENCE_SOURCE = '\n__device__ __forceinline__ void mate_compiler_fence() { asm volatile("" ::: "memory"); }\n'
+
+
+def fence():
+    T.evaluate(T.call_extern("handle", "mate_compiler_fence"))
+
 
 @T.macro
 def softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, tile, head_tile):

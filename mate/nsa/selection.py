@@ -27,7 +27,7 @@ NATIVE_DIMS = (64, 128)
 NATIVE_BLOCK_SIZES = (32, 64)
 
 STAGE = _dispatch.register(
-    _dispatch.Stage("nsa_selection", kernels.nsa_selection_fwd, ("head_tile", "threads", "num_stages", "min_blocks"))
+    _dispatch.Stage("nsa_selection", kernels.nsa_selection_fwd, ("head_tile", "threads", "num_stages", "min_blocks"), kernels.PASS_CONFIGS)
 )
 
 

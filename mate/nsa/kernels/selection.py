@@ -18,13 +18,25 @@ Before the pipeline, the CTA compacts its row of block_indices into a shared
 list of the entries that are used: inside the first `block_counts` slots,
 >= 0, and with at least the block's first token at or before the query's
 position (bottom-right aligned: N - M + m). Duplicates stay, once per slot.
-Skipped entries are never read. The pipelined loop then walks that list: a
-64-key tile is one selected block (block_size 64) or two (block_size 32; an
-odd last block is paired with a masked repeat of a valid block), loaded by TMA
-(zero fill past N) by an auto warp-specialized producer.
+Skipped entries are never read. The loop then walks that list: a 64-key tile
+is one selected block (block_size 64) or two (block_size 32; an odd last
+block is paired with a masked repeat of a valid block), loaded by TMA (zero
+fill past N) into a ring of `num_stages` tiles.
+
+Roles are placed by the program, not by TileLang's automatic warp
+specialization: warp 0 of the first warpgroup issues the TMA loads, each
+stage with a K and a V "full" mbarrier (one arrival plus the bytes) and an
+"empty" one (the consumer warpgroup's 128 threads). The automatic producer
+made all four warps of its warpgroup wait on every empty barrier while one
+lane issued; three warps held in step by nothing, and a one-stage ring hung
+(benchmarks/results/NVIDIA_H200-2026-11-30-tune.md). Here each waiting warp
+either issues the loads that the others wait for (warp 0, its lanes
+reconverging every iteration) or arrives on the barrier that the producer
+waits for (the consumer), so none can fall a phase behind.
 
 Where the time goes (H200, seed shape B=1 M=N=65536 H=128 G=8 D=128 T=16,
-block 64; benchmarks/results/nsa_selection_h200.json): 29.1 ms, 275 GB of
+block 64; benchmarks/results/nsa_selection_h200.json; measured with the
+automatic producer, this program is not yet timed): 29.1 ms, 275 GB of
 gathered K/V at 9.4 TB/s, all L2 hits (a group's K/V, 32 MB, fits in L2).
 T = 1 / 4 / 16 take 6.3 / 10.6 / 29.1 ms: about 1.5 ms per selected block
 (11 TB/s marginal) plus about 5 ms of per-CTA cost (index and Q loads, first
@@ -36,27 +48,39 @@ one more KB (MAX_SLOTS = 256) drops it to 2 CTAs and costs 18%.
 
 import tilelang.language as T
 
-from mate._tl import softmax_step_keys_as_m
+from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
 
 NEG_INF = -T.infinity("float32")
 LOG2E = 1.4426950408889634
 TILE_KEYS = 64  # wgmma's M per warpgroup
 MAX_SLOTS = 128  # capacity of the compacted list (T <= 128); small enough for 3 CTAs per SM
+CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own reductions there use 1 and 2)
+# The program places its own barriers (mbarriers between the roles, named barriers inside the
+# consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter.
+PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
 
 
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
     assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
-    # A one-stage ring deadlocks on the H200 after tens to hundreds of back-to-back launches
-    # (8192 tokens, 128 heads: 1/1 and 1/3 stages/CTAs hung within 300 calls; 2/1, 2/3, 3/3 ran
-    # 3000). Suspected, not yet confirmed: the producer warps that issue nothing can fall a
-    # phase behind an mbarrier and wait forever; benchmarks/nsa_hang.py --warp0-only tests it.
+    # TileLang's own warp-specialized pipeline (before this program placed its roles itself)
+    # deadlocked with one stage after tens to hundreds of launches on the H200; whether this
+    # program does is for benchmarks/nsa_hang.py to show before the guard goes.
     assert num_stages >= 2, "num_stages=1 deadlocks intermittently on Hopper (see the comment); use 2 or more"
     per_tile = TILE_KEYS // block_size
     B, M, N, H, G, TT = T.dynamic("B M N H G TT")
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
         "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
     )
+
+    @T.macro
+    def tile_copy(src, dst, bar, st, b, g, n0, n1, c0):
+        # One 64-column panel of a tile by TMA, counted on `bar` (the leader lane expects the bytes).
+        T.tma_copy(src[b, n0 : n0 + block_size, g, c0 : c0 + 64], dst[st, 0:block_size, c0 : c0 + 64], barrier=bar[st],
+                   leader_scope_threads=32)
+        if per_tile == 2:
+            T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
+                       barrier=bar[st], leader_scope_threads=32)
 
     @T.prim_func
     def main(
@@ -71,20 +95,26 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
         group_heads: T.int32,
         use_counts: T.int32,
     ):
-        with T.Kernel(M, G, B, threads=threads) as (bm, bg, bb):
+        # A producer warpgroup (of which warp 0 works) and the consumer warpgroup.
+        with T.Kernel(M, G, B, threads=2 * threads) as (bm, bg, bb):
+            T.import_source(FENCE_SOURCE)
             # Several CTAs per multiprocessor keep more gathered blocks in flight than one CTA's
             # pipeline can: cap registers for that instead of the producer/consumer reallocation.
-            T.no_set_max_nreg()
             T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
             Qs = T.alloc_shared((head_tile, dim), dtype)
-            Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
-            Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
+            Ks = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
+            Vs = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
             Ps = T.alloc_shared((TILE_KEYS, head_tile), dtype)
-            Os = T.alloc_shared((head_tile, dim), dtype)
             # Static shared memory: never aliased with the dynamic pool (reduction workspaces),
             # which matters because the producer and consumer warps read it at different times.
             blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
             used = T.alloc_shared((1,), "int32", scope="shared")
+            # Per stage: K landed, V landed (one arrival by the issuing lane plus the TMA bytes), and
+            # both consumed (the consumer's 128 threads).
+            k_full = T.alloc_barrier([1] * num_stages)
+            v_full = T.alloc_barrier([1] * num_stages)
+            empty = T.alloc_barrier([threads] * num_stages)
             S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             rowsum = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             P = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
@@ -131,52 +161,72 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                     blocks[rank] = e
                 if t == MAX_SLOTS - 1:
                     used[0] = rank + keep
-
+            T.sync_threads()
+            fence()
             n_used = used[0]
-            T.fill(acc, 0)
-            T.fill(rowsum, 0)
-            T.fill(m_cur, NEG_INF)
-            for it in T.Pipelined(T.ceildiv(n_used, per_tile), num_stages=num_stages):
-                if per_tile == 1:
-                    n0 = blocks[it] * block_size
-                    T.copy(K[bb, n0 : n0 + block_size, bg, :], Ks)
-                    T.copy(V[bb, n0 : n0 + block_size, bg, :], Vs)
-                else:
-                    # Two blocks per tile; an odd last block pairs with a masked repeat of a valid one.
-                    # Each copy stays inside one 64-column swizzle panel of the tile (a TMA box each).
-                    n0 = blocks[it * 2] * block_size
-                    n1 = blocks[T.min(it * 2 + 1, n_used - 1)] * block_size
-                    T.copy(K[bb, n0 : n0 + block_size, bg, 0:64], Ks[0:block_size, 0:64])
-                    T.copy(K[bb, n1 : n1 + block_size, bg, 0:64], Ks[block_size:TILE_KEYS, 0:64])
-                    T.copy(V[bb, n0 : n0 + block_size, bg, 0:64], Vs[0:block_size, 0:64])
-                    T.copy(V[bb, n1 : n1 + block_size, bg, 0:64], Vs[block_size:TILE_KEYS, 0:64])
-                    if dim == 128:
-                        T.copy(K[bb, n0 : n0 + block_size, bg, 64:128], Ks[0:block_size, 64:128])
-                        T.copy(K[bb, n1 : n1 + block_size, bg, 64:128], Ks[block_size:TILE_KEYS, 64:128])
-                        T.copy(V[bb, n0 : n0 + block_size, bg, 64:128], Vs[0:block_size, 64:128])
-                        T.copy(V[bb, n1 : n1 + block_size, bg, 64:128], Vs[block_size:TILE_KEYS, 64:128])
+            n_tiles = T.ceildiv(n_used, per_tile)
 
-                T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
-                for k, h in T.Parallel(TILE_KEYS, head_tile):
-                    slot = it * per_tile + k // block_size
-                    n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
-                    S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
-                softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
-                T.copy(S, P)
-                T.copy(P, Ps)
+            if tx < threads:
+                # ---------------- producer: warp 0 alone. A warp that issues nothing would wait on
+                # the `empty` barriers held in step by nothing; one that fell a ring behind would take
+                # a barrier whose parity flipped twice for not done and wait forever at the end.
+                if tx < 32:
+                    for it in T.serial(n_tiles):
+                        st = it % num_stages
+                        T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
+                        # A 64-key tile is one block (block_size 64) or two (block_size 32; an odd last
+                        # block pairs with a masked repeat of a valid one).
+                        n0 = blocks[it * per_tile] * block_size
+                        n1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
+                        tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 0)
+                        if dim == 128:
+                            tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 64)
+                        if T.shuffle_elect(32):
+                            T.barrier_arrive(k_full[st])
+                        tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 0)
+                        if dim == 128:
+                            tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 64)
+                        if T.shuffle_elect(32):
+                            T.barrier_arrive(v_full[st])
+            else:
+                # ---------------- consumer: S^T = K Q^T, online softmax, O^T += V^T P^T
+                T.fill(acc, 0)
+                T.fill(rowsum, 0)
+                T.fill(m_cur, NEG_INF)
+                for it in T.serial(n_tiles):
+                    st = it % num_stages
+                    T.barrier_wait(k_full[st], (it // num_stages) & 1)
+                    fence()
+                    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+                    for k, h in T.Parallel(TILE_KEYS, head_tile):
+                        slot = it * per_tile + k // block_size
+                        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+                        S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
+                    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
+                    T.copy(S, P)
+                    T.copy(P, Ps)
+                    T.sync_threads(CONSUMER_BARRIER, threads)  # P is in shared memory
+                    fence()
+                    for d, h in T.Parallel(dim, head_tile):
+                        acc[d, h] *= alpha[h]
+                    T.barrier_wait(v_full[st], (it // num_stages) & 1)
+                    fence()
+                    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
+                    fence()
+                    T.barrier_arrive(empty[st])
+
+                T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
+                # Nothing visible: l_sum is 0, the output 0 and the LSE -inf. The output goes through
+                # Qs (the last QK^T has completed): a buffer of its own would cost the third CTA per SM.
                 for d, h in T.Parallel(dim, head_tile):
-                    acc[d, h] *= alpha[h]
-                T.gemm(Vs, Ps, acc, transpose_A=True)
-
-            T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
-            # Nothing visible: l_sum is 0, the output 0 and the LSE -inf.
-            for d, h in T.Parallel(dim, head_tile):
-                Os[h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-            for h, d in T.Parallel(head_tile, dim):
-                if h < group_heads:
-                    O[bb, bm, h0 + h, d] = Os[h, d]
-            for h in T.Parallel(head_tile):
-                if h < group_heads:
-                    LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                    Qs[h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+                T.sync_threads(CONSUMER_BARRIER, threads)
+                fence()
+                for h, d in T.Parallel(head_tile, dim):
+                    if h < group_heads:
+                        O[bb, bm, h0 + h, d] = Qs[h, d]
+                for h in T.Parallel(head_tile):
+                    if h < group_heads:
+                        LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
 
     return main

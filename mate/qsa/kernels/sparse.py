@@ -55,7 +55,7 @@ owns a contiguous share of the list and writes FP32 partials to a workspace;
 import tilelang.language as T
 from tvm import tirx
 
-from mate._tl import softmax_step_keys_as_m
+from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
@@ -79,16 +79,6 @@ WRITE_LSE = 128
 # metadata is range-checked in the kernel, and the cp.async zero-fill needs the bare
 # predicate that safe-memory legalization would wrap.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True), ("tl.disable_safe_memory_legalize", True))
-# TileLang 0.1.15's barrier intrinsics (bar.sync, mbarrier wait/arrive) are asm without a
-# "memory" clobber, so the compiler may move shared-memory loads and stores across them; a
-# compiler fence next to each barrier pins the order.
-FENCE_SOURCE = '\n__device__ __forceinline__ void mate_compiler_fence() { asm volatile("" ::: "memory"); }\n'
-
-
-def fence():
-    T.evaluate(T.call_extern("handle", "mate_compiler_fence"))
-
-
 DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
 PER_THREAD = DECODE_TILES * TILE // 128  # slots each producer thread decodes per chunk
 CONSUMER_BARRIER = 1  # the same 128 threads as TileLang's consumer reductions (ids 1 and 2)
