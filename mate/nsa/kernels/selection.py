@@ -25,8 +25,9 @@ fill past N) into a ring of `num_stages` tiles.
 
 Roles are placed by the program, not by TileLang's automatic warp
 specialization: warp 0 of the first warpgroup issues the TMA loads, each
-stage with a K and a V "full" mbarrier (one arrival plus the bytes) and an
-"empty" one (the consumer warpgroup's 128 threads). The automatic producer
+stage with a K and a V "full" mbarrier (one arrival plus the bytes) and a K
+and a V "empty" one (the consumer warpgroup's 128 threads; K is released
+after QK^T, so the next K load overlaps the softmax). The automatic producer
 made all four warps of its warpgroup wait on every empty barrier while one
 lane issued; three warps held in step by nothing, and a one-stage ring hung
 (benchmarks/results/NVIDIA_H200-2026-11-30-tune.md). Here each waiting warp
@@ -56,7 +57,11 @@ TILE_KEYS = 64  # wgmma's M per warpgroup
 MAX_SLOTS = 128  # capacity of the compacted list (T <= 128); small enough for 3 CTAs per SM
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own reductions there use 1 and 2)
 # The program places its own barriers (mbarriers between the roles, named barriers inside the
-# consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter.
+# consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter. Its
+# shared-memory planner then merges nothing: the epilogue's reduction scratch (2 KB) gets its own
+# space, which at dim 128 makes 76800 B a CTA, past the 3-CTAs-per-SM line measured below (not yet
+# on this program). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
+# a race: TileLang's AllReduce has no barrier after its last read of the scratch.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
 
 
@@ -110,11 +115,12 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             # which matters because the producer and consumer warps read it at different times.
             blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
             used = T.alloc_shared((1,), "int32", scope="shared")
-            # Per stage: K landed, V landed (one arrival by the issuing lane plus the TMA bytes), and
-            # both consumed (the consumer's 128 threads).
+            # Per stage: K, V landed (one arrival by the issuing lane plus the TMA bytes); K, V consumed
+            # (the consumer's 128 threads).
             k_full = T.alloc_barrier([1] * num_stages)
             v_full = T.alloc_barrier([1] * num_stages)
-            empty = T.alloc_barrier([threads] * num_stages)
+            k_empty = T.alloc_barrier([threads] * num_stages)
+            v_empty = T.alloc_barrier([threads] * num_stages)
             S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             rowsum = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             P = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
@@ -168,21 +174,22 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
 
             if tx < threads:
                 # ---------------- producer: warp 0 alone. A warp that issues nothing would wait on
-                # the `empty` barriers held in step by nothing; one that fell a ring behind would take
+                # the empty barriers held in step by nothing; one that fell a ring behind would take
                 # a barrier whose parity flipped twice for not done and wait forever at the end.
                 if tx < 32:
                     for it in T.serial(n_tiles):
                         st = it % num_stages
-                        T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
                         # A 64-key tile is one block (block_size 64) or two (block_size 32; an odd last
                         # block pairs with a masked repeat of a valid one).
                         n0 = blocks[it * per_tile] * block_size
                         n1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
+                        T.barrier_wait(k_empty[st], ((it // num_stages) & 1) ^ 1)
                         tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 0)
                         if dim == 128:
                             tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 64)
                         if T.shuffle_elect(32):
                             T.barrier_arrive(k_full[st])
+                        T.barrier_wait(v_empty[st], ((it // num_stages) & 1) ^ 1)
                         tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 0)
                         if dim == 128:
                             tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 64)
@@ -198,6 +205,8 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                     T.barrier_wait(k_full[st], (it // num_stages) & 1)
                     fence()
                     T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+                    fence()
+                    T.barrier_arrive(k_empty[st])
                     for k, h in T.Parallel(TILE_KEYS, head_tile):
                         slot = it * per_tile + k // block_size
                         n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
@@ -213,18 +222,19 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                     fence()
                     T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
                     fence()
-                    T.barrier_arrive(empty[st])
+                    T.barrier_arrive(v_empty[st])
 
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 # Nothing visible: l_sum is 0, the output 0 and the LSE -inf. The output goes through
-                # Qs (the last QK^T has completed): a buffer of its own would cost the third CTA per SM.
+                # the first K stage (every load has landed and been read): a buffer of its own would
+                # cost the third CTA per SM.
                 for d, h in T.Parallel(dim, head_tile):
-                    Qs[h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+                    Ks[0, h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
                 T.sync_threads(CONSUMER_BARRIER, threads)
                 fence()
                 for h, d in T.Parallel(head_tile, dim):
                     if h < group_heads:
-                        O[bb, bm, h0 + h, d] = Qs[h, d]
+                        O[bb, bm, h0 + h, d] = Ks[0, h, d]
                 for h in T.Parallel(head_tile):
                     if h < group_heads:
                         LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
