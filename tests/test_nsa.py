@@ -226,12 +226,3 @@ def test_native_rejects_block_size_layout_and_cpu():
         mate.nsa_selection_attention(q, kk, v, idx)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         mate.nsa_selection_attention(q, k, v, idx)
-
-
-def test_kernel_refuses_a_one_stage_ring():
-    # It deadlocked on the H200 (see mate/nsa/kernels/selection.py); a config or tuner must not reach it.
-    from mate.nsa.kernels.selection import nsa_selection_fwd
-
-    with pytest.raises(AssertionError, match="deadlocks"):
-        nsa_selection_fwd("bfloat16", 64, 32, head_tile=16, threads=128, num_stages=1, min_blocks=3)
-    assert nsa_selection_fwd("bfloat16", 64, 32, head_tile=16, threads=128, num_stages=2, min_blocks=3) is not None

@@ -1,8 +1,9 @@
 """Back-to-back launches of every configured kernel finish (run with `pytest -m gpu`).
 
 A pipeline can be correct and still deadlock now and then: NSA's one-stage
-ring passed every check once and hung after 100 to 300 launches on the H200
-(benchmarks/results/NVIDIA_H200-2026-11-30-tune.md). So each stage runs, in a
+ring, under TileLang's automatic producer, passed every check once and hung
+within 100 to 300 launches on the H200
+(benchmarks/results/NVIDIA_H200-2026-11-30-nsa-hang.md). So each stage runs, in a
 child process with a time limit, every specialization key of the shipped
 config on its tuning workload (the `quick` preset's shape) LAUNCHES times back
 to back. A hung kernel cannot be interrupted from Python; the child is killed

@@ -223,7 +223,7 @@ def _nsa_workload(spec, shape):
 
 NSA_SELECTION = Tunable(
     stage="nsa_selection",
-    space=dict(head_tile=(16,), threads=(128,), num_stages=(2, 3, 4), min_blocks=(1, 2, 3, 4)),  # 1 stage deadlocks: see the kernel
+    space=dict(head_tile=(16,), threads=(128,), num_stages=(1, 2, 3, 4), min_blocks=(1, 2, 3, 4)),
     limits=_nsa_limits,
     shapes=dict(quick=[dict(seq=8192, heads=128, kv_heads=8, selected=16)],
                 full=[dict(seq=32768, heads=128, kv_heads=8, selected=16), dict(seq=32768, heads=64, kv_heads=4, selected=16)]),

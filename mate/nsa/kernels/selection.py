@@ -30,14 +30,17 @@ and a V "empty" one (the consumer warpgroup's 128 threads; K is released
 after QK^T, so the next K load overlaps the softmax). The automatic producer
 made all four warps of its warpgroup wait on every empty barrier while one
 lane issued; three warps held in step by nothing, and a one-stage ring hung
-(benchmarks/results/NVIDIA_H200-2026-11-30-tune.md). Here each waiting warp
+within 100 to 300 launches on the H200, which it stopped doing when a patch
+left the producer loop to warp 0 alone
+(benchmarks/results/NVIDIA_H200-2026-11-30-nsa-hang.md). Here each waiting warp
 either issues the loads that the others wait for (warp 0, its lanes
 reconverging every iteration) or arrives on the barrier that the producer
 waits for (the consumer), so none can fall a phase behind.
 
 Where the time goes (H200, seed shape B=1 M=N=65536 H=128 G=8 D=128 T=16,
 block 64; benchmarks/results/nsa_selection_h200.json; measured with the
-automatic producer, this program is not yet timed): 29.1 ms, 275 GB of
+automatic producer, which this program matches or beats by up to 16%,
+benchmarks/nsa_ab.py): 29.1 ms, 275 GB of
 gathered K/V at 9.4 TB/s, all L2 hits (a group's K/V, 32 MB, fits in L2).
 T = 1 / 4 / 16 take 6.3 / 10.6 / 29.1 ms: about 1.5 ms per selected block
 (11 TB/s marginal) plus about 5 ms of per-CTA cost (index and Q loads, first
@@ -59,8 +62,8 @@ CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own 
 # The program places its own barriers (mbarriers between the roles, named barriers inside the
 # consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter. Its
 # shared-memory planner then merges nothing: the epilogue's reduction scratch (2 KB) gets its own
-# space, which at dim 128 makes 76800 B a CTA, past the 3-CTAs-per-SM line measured below (not yet
-# on this program). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
+# space, which at dim 128 makes 76800 B a CTA, the most with which 3 CTAs fit in an SM (228 KB,
+# 1 KB of it reserved per CTA). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
 # a race: TileLang's AllReduce has no barrier after its last read of the scratch.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
 
@@ -68,10 +71,6 @@ PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
     assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
-    # TileLang's own warp-specialized pipeline (before this program placed its roles itself)
-    # deadlocked with one stage after tens to hundreds of launches on the H200; whether this
-    # program does is for benchmarks/nsa_hang.py to show before the guard goes.
-    assert num_stages >= 2, "num_stages=1 deadlocks intermittently on Hopper (see the comment); use 2 or more"
     per_tile = TILE_KEYS // block_size
     B, M, N, H, G, TT = T.dynamic("B M N H G TT")
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
