@@ -1,4 +1,4 @@
-"""Back-to-back launches of every configured kernel finish (run with `pytest -m gpu`).
+"""Back-to-back launches finish (run with `pytest -m gpu`).
 
 A pipeline can be correct and still deadlock now and then: NSA's one-stage
 ring, under TileLang's automatic producer, passed every check once and hung
@@ -6,10 +6,14 @@ within 100 to 300 launches on the H200
 (benchmarks/results/NVIDIA_H200-2026-11-30-nsa-hang.md). So each stage runs, in a
 child process with a time limit, every specialization key of the shipped
 config on its tuning workload (the `quick` preset's shape) LAUNCHES times back
-to back. A hung kernel cannot be interrupted from Python; the child is killed
-and the test names the key it was on.
+to back. GQA and the MQA logits kernel still use that automatic producer, and
+their tuning spaces hold one-stage rings, where a lagging producer warp needs
+the least lag to hang; those rings run too. A hung kernel cannot be
+interrupted from Python; the child is killed and the test names the case it
+was on.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,21 +29,38 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCHES = 1000
 LIMIT_S = 300  # NSA's keys, the slowest: 8 x 1000 x 1.6 ms, plus start-up and workloads
 
+# One-stage variants of shipped tiles, for the stages whose producer TileLang generates.
+ONE_STAGE = {
+    "gqa_fwd": [
+        ("dtype=bfloat16,dim=128,window=causal", dict(block_m=128, block_n=128, threads=256, num_stages=1, mma_depth=2)),
+        ("dtype=bfloat16,dim=64,window=causal", dict(block_m=192, block_n=128, threads=384, num_stages=1, mma_depth=2)),
+        ("dtype=bfloat16,dim=128,window=local", dict(block_m=128, block_n=128, threads=256, num_stages=1, mma_depth=2)),
+    ],
+    "mqa_logits": [
+        ("dtype=bfloat16,even_keys=1", dict(block_rows=64, block_keys=128, threads=128, num_stages=1)),
+        ("dtype=bfloat16,even_keys=0", dict(block_rows=64, block_keys=64, threads=128, num_stages=1)),
+        ("dtype=bfloat16,even_keys=1", dict(block_rows=128, block_keys=128, threads=256, num_stages=1)),
+    ],
+}
+
 CHILD = """
-import sys, torch
+import contextlib, json, sys, torch
 from mate import _dispatch
+from tuning import configfile
 from tuning.stages import TUNABLES
-stage, launches = sys.argv[1], int(sys.argv[2])
+stage, cases, launches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 tunable = TUNABLES[stage]
-for key in _dispatch.load_config("sm90")[stage]:
-    native = tunable.workload(_dispatch.parse_key(key), tunable.shapes["quick"][0])[0]
-    print("started", key, flush=True)
-    for i in range(launches):
-        native()
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    print("finished", key, flush=True)
+for key, tiles in cases:
+    name = f"{key} {tiles or 'shipped'}"
+    with configfile.using_tiles("sm90", stage, key, tiles) if tiles else contextlib.nullcontext():
+        native = tunable.workload(_dispatch.parse_key(key), tunable.shapes["quick"][0])[0]
+        print("started", name, flush=True)
+        for i in range(launches):
+            native()
+            if i % 50 == 49:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    print("finished", name, flush=True)
 """
 
 
@@ -47,15 +68,25 @@ def _lines(text, word):
     return [line.split(" ", 1)[1] for line in (text or "").splitlines() if line.startswith(word + " ")]
 
 
-@pytest.mark.parametrize("stage", sorted(TUNABLES))
-def test_back_to_back_launches_finish(stage):
-    keys = list(_dispatch.load_config("sm90")[stage])
+def _run(stage, cases):
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, stage, str(LAUNCHES)], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
+        proc = subprocess.run([sys.executable, "-c", CHILD, stage, json.dumps(cases), str(LAUNCHES)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=LIMIT_S)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
         started = _lines(out, "started")
-        pytest.fail(f"{stage}: not finished within {LIMIT_S} s; {len(_lines(out, 'finished'))} of {len(keys)} keys done, "
+        pytest.fail(f"{stage}: not finished within {LIMIT_S} s; {len(_lines(out, 'finished'))} of {len(cases)} cases done, "
                     f"the last one started: {started[-1] if started else 'none'} (a hung kernel?)")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _lines(proc.stdout, "finished") == keys
+    assert len(_lines(proc.stdout, "finished")) == len(cases)
+
+
+@pytest.mark.parametrize("stage", sorted(TUNABLES))
+def test_shipped_configs_finish_back_to_back_launches(stage):
+    _run(stage, [(key, None) for key in _dispatch.load_config("sm90")[stage]])
+
+
+@pytest.mark.parametrize("stage", sorted(ONE_STAGE))
+def test_one_stage_rings_of_generated_producers_finish(stage):
+    assert all(tiles["num_stages"] == 1 and set(tiles) == set(_dispatch.STAGES[stage].params) for _, tiles in ONE_STAGE[stage])
+    _run(stage, ONE_STAGE[stage])

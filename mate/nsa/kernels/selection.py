@@ -38,16 +38,17 @@ reconverging every iteration) or arrives on the barrier that the producer
 waits for (the consumer), so none can fall a phase behind.
 
 Where the time goes (H200, seed shape B=1 M=N=65536 H=128 G=8 D=128 T=16,
-block 64; benchmarks/results/nsa_selection_h200.json; measured with the
-automatic producer, which this program matches or beats by up to 16%,
-benchmarks/nsa_ab.py): 29.1 ms, 275 GB of
-gathered K/V at 9.4 TB/s, all L2 hits (a group's K/V, 32 MB, fits in L2).
-T = 1 / 4 / 16 take 6.3 / 10.6 / 29.1 ms: about 1.5 ms per selected block
-(11 TB/s marginal) plus about 5 ms of per-CTA cost (index and Q loads, first
-TMA latency, epilogue). A plain Triton gather of the same 32 KB tiles from an
-L2-resident pool, with no attention math, takes 29.4 ms. Shared memory sets
-the loads in flight: at 76 KB a CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM;
-one more KB (MAX_SLOTS = 256) drops it to 2 CTAs and costs 18%.
+block 64; benchmarks/results/nsa_selection_h200.json): 28.5 ms with the tuned
+one-stage ring, 3 CTAs per SM; 273 GB of gathered K/V at 9.6 TB/s, all L2
+hits (a group's K/V, 32 MB, fits in L2). T = 1 / 4 / 16 take 5.1 / 8.7 /
+28.5 ms: 1.2 to 1.65 ms per selected block plus about 3.5 ms of per-CTA cost
+(index and Q loads, first TMA latency, epilogue). A plain Triton gather of
+the same 32 KB tiles from an L2-resident pool, with no attention math, takes
+29.4 ms. With two stages, shared memory set the loads in flight: at 76 KB a
+CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM, and one more KB (MAX_SLOTS =
+256) dropped it to 2 CTAs and cost 18%. Against the automatic producer this
+program replaced, at the same tiles: 0.84 to 1.00 of its time
+(benchmarks/nsa_ab.py).
 """
 
 import tilelang.language as T
