@@ -87,6 +87,17 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
                        barrier=bar[st], leader_scope_threads=32)
 
+    @T.macro
+    def tile_load(src, dst, empty, full, st, phase, b, g, n0, n1):
+        # Wait until the consumer has freed stage `st`, load the tile (a 64-column panel or two), and
+        # arrive once on its full barrier.
+        T.barrier_wait(empty[st], phase ^ 1)
+        tile_copy(src, dst, full, st, b, g, n0, n1, 0)
+        if dim == 128:
+            tile_copy(src, dst, full, st, b, g, n0, n1, 64)
+        if T.shuffle_elect(32):
+            T.barrier_arrive(full[st])
+
     @T.prim_func
     def main(
         Q: T.StridedTensor((B, M, H, dim), (sqb, sqm, sqh, 1), dtype),
@@ -183,18 +194,8 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                         # block pairs with a masked repeat of a valid one).
                         n0 = blocks[it * per_tile] * block_size
                         n1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
-                        T.barrier_wait(k_empty[st], ((it // num_stages) & 1) ^ 1)
-                        tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 0)
-                        if dim == 128:
-                            tile_copy(K, Ks, k_full, st, bb, bg, n0, n1, 64)
-                        if T.shuffle_elect(32):
-                            T.barrier_arrive(k_full[st])
-                        T.barrier_wait(v_empty[st], ((it // num_stages) & 1) ^ 1)
-                        tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 0)
-                        if dim == 128:
-                            tile_copy(V, Vs, v_full, st, bb, bg, n0, n1, 64)
-                        if T.shuffle_elect(32):
-                            T.barrier_arrive(v_full[st])
+                        tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1)
+                        tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1)
             else:
                 # ---------------- consumer: S^T = K Q^T, online softmax, O^T += V^T P^T
                 T.fill(acc, 0)
