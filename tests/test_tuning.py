@@ -54,6 +54,8 @@ def test_committed_entries_pass_their_stage_limits(stage, key):
         ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=64, block_keys=256, threads=128, num_stages=1), "registers"),
         ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=16, threads=128, num_stages=3, min_blocks=3), "fit in one SM"),
         ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=8, threads=128, num_stages=2, min_blocks=3), "H/G = 16"),
+        # 57956 B a CTA as the generated CUDA lays it out (reduction scratch and mbarriers included): 4 do not fit
+        ("nsa_selection", dict(dtype="bfloat16", dim=64, block_size=32), dict(head_tile=16, threads=128, num_stages=3, min_blocks=4), "fit in one SM"),
         ("gqa_fwd", dict(dtype="bfloat16", dim=128, window="causal"), dict(block_m=192, block_n=128, threads=384, num_stages=2, mma_depth=2), "registers"),
         ("gqa_fwd", dict(dtype="bfloat16", dim=128, window="causal"), dict(block_m=128, block_n=192, threads=256, num_stages=3, mma_depth=2), "shared memory"),
     ],

@@ -167,9 +167,12 @@ def _nsa_limits(spec, t):
     if t["head_tile"] != 16:
         return "head_tile below 16 would refuse the supported H/G = 16; above 16 wastes MMA columns"
     d, ht = spec["dim"], t["head_tile"]
-    # Q, the K and V rings, P, and the compacted block list; O reuses Q's space (TileLang merges
-    # shared buffers whose lifetimes do not overlap).
-    smem = _bytes(spec) * (ht * d + t["num_stages"] * 2 * 64 * d + 64 * ht) + 128 * 4 + 4
+    # As the kernel's generated CUDA lays it out: Q, the K and V rings (O goes through the first K
+    # stage), P, and the max and sum reductions' scratch (threads x head_tile/4 floats each, never
+    # merged, see the kernel's PASS_CONFIGS); static: the compacted block list, its count and the
+    # four mbarriers per stage.
+    smem = _bytes(spec) * (ht * d + t["num_stages"] * 2 * 64 * d + 64 * ht) + 2 * t["threads"] * (ht // 4) * 4
+    smem += 128 * 4 + 4 + 4 * t["num_stages"] * 8
     if t["min_blocks"] * (smem + 1024) > SMEM_PER_SM:
         return f"{t['min_blocks']} CTAs of {smem} B shared memory do not fit in one SM"
     # A producer warpgroup runs beside the consumer: 2 x threads per CTA share the SM's registers.
