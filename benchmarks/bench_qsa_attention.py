@@ -1,21 +1,24 @@
-"""QSA sparse core attention on the canonical geometry: 24 Q / 2 KV heads, D 256, BF16, page size 64,
-2051 selected tokens per row (512 random causal 4-token blocks, expanded, plus the 3 newest tokens).
+"""QSA sparse core attention at issue #16's serving shapes: 24 Q / 2 KV heads, D 256, BF16, page size 64,
+per-head BF16 gate, 2051-slot selections (512 random complete causal 4-token blocks in random order, expanded,
+then the row's incomplete tail block, -1 where absent).
 
   python benchmarks/bench_qsa_attention.py [--batches 1 8 64 256] [--prefill-rows 4096] [--splits 1 2 4 8 16 32]
 
-Roofline: decode bytes / 4.3 TB/s (DRAM: every request on its own pages); prefill bytes /
-20 TB/s (L2: 17 GB gathered from a 67 MB working set).
+Roofline: decode bytes / 4.3 TB/s (DRAM); prefill bytes / 20 TB/s (L2: 17 GB gathered from a
+67 MB working set).
 
-- decode: one query row per request at the end of a 32768-token context, every
-  request on its own pages (no page shared between requests);
-- prefill: one request, the last `--prefill-rows` rows of a 32768-token context.
+- decode: request r holds 32768 - 1 - (r mod 4) tokens and one query row at its last position;
+  its pages are a random draw from the pool (batch >= 256: a 512-page pool the requests share;
+  otherwise each request has pages of its own);
+- prefill: one request, the last `--prefill-rows` rows of a 32768-token context, timed also with the
+  `block_indices` hint.
 
-Per case: mate (`num_splits=None`, eager with its host cost, and CUDA-graph
-replays), a PyTorch gather + scaled_dot_product_attention baseline in the same
-run, and for decode every split count of `--splits` (graph replays) for the
-split heuristic. Bytes = rows x valid tokens x 2 KV heads x 256 x 2 tensors x 2
-bytes (the K/V rows gathered); FLOPs = 4 x rows x 24 x valid tokens x 256.
-Every mate result is checked against the reference first.
+Per case: mate (`num_splits=None`) as one call per CUDA-graph replay with L2 flushed before each
+(`cold_us`, the issue's measurement), eager with its host cost, and back-to-back graph replays
+(`graph_us`, warm L2); a PyTorch gather + SDPA baseline in the same run; for decode every split
+count of `--splits` (cold graph). Bytes = selected tokens that exist x 2 KV heads x 256 x 2 tensors
+x 2 bytes (the K/V rows gathered); FLOPs = 4 x 24 x those tokens x 256. Every mate result is
+checked against the reference first.
 """
 
 from __future__ import annotations
@@ -28,33 +31,65 @@ from common import PEAK_BYTES, RESULTS, environment, few_ms, figure, graph_ms, m
 
 import mate
 
-HQ, HKV, D, PAGE, CONTEXT, BLOCKS = 24, 2, 256, 64, 32768, 512
+HQ, HKV, D, PAGE, CONTEXT, BLOCKS, SHARED_POOL = 24, 2, 256, 64, 32768, 512, 512
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
 REPORT = dict(stage="qsa_attention", quick=["--batches", "1", "64", "--prefill-rows", "1024", "--splits", "1", "4"], full=[])
 
 
 def selection(gen, positions):
-    """[rows, 2051] token ids: 512 distinct random 4-token blocks wholly at or before each position, then the 3 newest tokens."""
-    rows = []
+    """[rows, 2051] token ids and [rows, 512] block ids (issue #16): 512 distinct complete causal 4-token blocks
+    in random order, expanded, then the tokens of the row's own incomplete tail block (-1 where absent)."""
+    tokens, blocks = [], []
     for p in positions.tolist():
-        full = (p - 2) // 4  # blocks that end before the tail
-        blocks = torch.randperm(full, generator=gen)[:BLOCKS].sort().values
-        tokens = (blocks[:, None] * 4 + torch.arange(4)).flatten()
-        rows.append(torch.cat([tokens, torch.arange(p - 2, p + 1)]))
-    return torch.stack(rows).to(torch.int32)
+        full = (p + 1) // 4  # blocks j with 4j + 3 <= p
+        blk = torch.randperm(full, generator=gen)[:BLOCKS]
+        tail = torch.arange(4 * full, 4 * full + 3)
+        tokens.append(torch.cat([(blk[:, None] * 4 + torch.arange(4)).flatten(), torch.where(tail <= p, tail, -1)]))
+        blocks.append(blk)
+    return torch.stack(tokens).to(torch.int32), torch.stack(blocks).to(torch.int32)
 
 
 def problem(gen, batch, rows_per_req):
-    """Paged K/V with distinct pages per request, flattened queries, their token lists."""
+    """Issue #16's inputs. Decode (rows_per_req 1): request r holds 32768 - 1 - (r mod 4) tokens, one row at its
+    last position, its pages a random draw from the pool (batch 256: a 512-page pool the requests share, else
+    pages of its own). Prefill: the last rows_per_req positions of one 32768-token request. Per-head BF16 gate."""
     pages = CONTEXT // PAGE
-    k = torch.randn(batch * pages, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    table = torch.randperm(batch * pages, generator=gen).view(batch, pages).to(torch.int32)
-    positions = torch.arange(CONTEXT - rows_per_req, CONTEXT).repeat(batch)
-    q = torch.randn(batch * rows_per_req, HQ, D, dtype=torch.bfloat16, device="cuda")
+    if rows_per_req == 1:
+        seq = torch.tensor([CONTEXT - 1 - r % 4 for r in range(batch)])
+        pool = SHARED_POOL if batch >= 256 else batch * pages
+        perm = [torch.randperm(pool, generator=gen) for _ in range(batch)] if pool == SHARED_POOL else \
+            list(torch.randperm(pool, generator=gen).view(batch, pages))
+        table = torch.stack([t[:pages] for t in perm])
+        positions = seq - 1
+    else:
+        seq = torch.full((batch,), CONTEXT)
+        pool = batch * pages
+        table = torch.randperm(pool, generator=gen).view(batch, pages)
+        positions = torch.arange(CONTEXT - rows_per_req, CONTEXT).repeat(batch)
+    rows = batch * rows_per_req
+    k = torch.randn(pool, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(pool, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(rows, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    ti, bi = selection(gen, positions)
     cu = torch.arange(batch + 1, dtype=torch.int32) * rows_per_req
-    return dict(query=q, key=k, value=v, token_indices=selection(gen, positions).cuda(), block_table=table.cuda(),
-                cu_seqlens_q=cu.cuda())
+    return dict(query=q, key=k, value=v, token_indices=ti.cuda(), block_table=table.to(torch.int32).cuda(),
+                cu_seqlens_q=cu.cuda(), seq_lens_k=seq.to(torch.int32).cuda(),
+                gate=torch.randn(rows, HQ, generator=gen).to(torch.bfloat16).cuda()), bi.cuda()
+
+
+def cold_graph_us(fn) -> float:
+    """One call per CUDA-graph replay, do_bench median; triton's do_bench flushes L2 before each replay."""
+    import triton
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def torch_baseline(p, rows_per_req, chunk=256):
@@ -64,17 +99,21 @@ def torch_baseline(p, rows_per_req, chunk=256):
     out = torch.empty_like(p["query"])
     for s in range(0, ti.shape[0], chunk):
         t = ti[s : s + chunk]
-        page = table[req[s : s + chunk, None], t // PAGE]
-        ks, vs = k[page, t % PAGE].transpose(1, 2), v[page, t % PAGE].transpose(1, 2)  # [r, Hkv, T, D]
+        page = table[req[s : s + chunk, None], t.clamp_min(0) // PAGE]
+        ks = k[page, t.clamp_min(0) % PAGE].transpose(1, 2)  # [r, Hkv, T, D]
+        vs = v[page, t.clamp_min(0) % PAGE].transpose(1, 2)
         q = p["query"][s : s + chunk].unsqueeze(2)  # [r, Hq, 1, D]
-        out[s : s + chunk] = F.scaled_dot_product_attention(q, ks, vs, enable_gqa=True).squeeze(2)
+        mask = (t >= 0)[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True).squeeze(2)
+        out[s : s + chunk] = o * torch.sigmoid(p["gate"][s : s + chunk].float()).unsqueeze(-1).to(o.dtype)
     return out
 
 
-def measure(name, p, rows_per_req, splits):
+def measure(name, p, rows_per_req, splits, hint=None):
     rows, width = p["token_indices"].shape
-    gbytes = rows * width * HKV * D * 2 * 2 / 1e9
-    gflop = 4 * rows * HQ * width * D / 1e9
+    valid = int((p["token_indices"] >= 0).sum())  # selected tokens that exist (the tail's -1 pads gather nothing)
+    gbytes = valid * HKV * D * 2 * 2 / 1e9
+    gflop = 4 * HQ * valid * D / 1e9
     ref = mate.qsa_sparse_attention(**p, backend="reference")
     out = mate.qsa_sparse_attention(**p)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -90,12 +129,16 @@ def measure(name, p, rows_per_req, splits):
     res["roofline_us"] = gbytes * 1e9 / (PEAK_BYTES if rows_per_req == 1 else L2_BYTES) * 1e6
     res["tb_s"] = gbytes / res["graph_us"] * 1e3
     res["tflops"] = gflop / res["graph_us"] * 1e3
+    res["cold_us"] = cold_graph_us(call)
+    if hint is not None:
+        res["hint_cold_us"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
     res["splits_us"] = {
-        s: graph_ms(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s)) * 1e3 for s in splits
+        s: cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s)) for s in splits
     }
-    print(f"{name}: eager {res['eager_us']:.1f} us, graph {res['graph_us']:.1f} us ({res['tb_s']:.2f} TB/s, "
+    print(f"{name}: cold graph {res['cold_us']:.1f} us" + (f" (block hint {res['hint_cold_us']:.1f} us)" if hint is not None else "")
+          + f", eager {res['eager_us']:.1f} us, back-to-back graph {res['graph_us']:.1f} us ({res['tb_s']:.2f} TB/s, "
           f"{res['tflops']:.0f} TFLOP/s), torch {res['torch_us']:.0f} us, roofline {res['roofline_us']:.1f} us, "
-          f"splits {', '.join(f'{s}: {t:.1f}' for s, t in res['splits_us'].items())}", flush=True)
+          f"cold graph by split count {', '.join(f'{s}: {t:.1f}' for s, t in res['splits_us'].items())}", flush=True)
     return res
 
 
@@ -109,10 +152,11 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     cases = []
     for b in args.batches:
-        cases.append(measure(f"decode b={b}", problem(gen, b, 1), 1, args.splits))
+        cases.append(measure(f"decode b={b}", problem(gen, b, 1)[0], 1, args.splits))
         torch.cuda.empty_cache()
     if args.prefill_rows:
-        cases.append(measure(f"prefill rows={args.prefill_rows}", problem(gen, 1, args.prefill_rows), args.prefill_rows, [1]))
+        p, hint = problem(gen, 1, args.prefill_rows)
+        cases.append(measure(f"prefill rows={args.prefill_rows}", p, args.prefill_rows, [1], hint=hint))
     result = dict(environment(), cases=cases)
     write_json(args.out, result)
     return result

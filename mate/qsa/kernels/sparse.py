@@ -348,6 +348,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
     return main
 
 
+MERGE_UNROLL = 16
+
+
 def merge(pdtype, odtype, threads):
     """SplitKV merge, one CTA per (row, head): lse = log sum_s exp(l_s), out = sum_s exp(l_s - lse) o_s.
 
@@ -374,24 +377,38 @@ def merge(pdtype, odtype, threads):
             r = bx // H
             h = bx % H
             tx = T.get_thread_binding()
+            ls = T.alloc_local((MERGE_UNROLL,), "float32")
+            ps = T.alloc_local((MERGE_UNROLL,), "float32")
             m = T.alloc_var("float32")
             total = T.alloc_var("float32")
+            # The loads of MERGE_UNROLL splits go out together (predicated on the split count only) and are
+            # masked afterwards: a load under the -inf test of the one before it waited for it (20 us at 16 splits).
             m = NEG_INF
-            for s in T.serial(S):
-                m = T.max(m, PL[s, r, h])
+            for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
+                for j in T.unroll(MERGE_UNROLL):
+                    ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[T.min(s0 * MERGE_UNROLL + j, S - 1), r, h], NEG_INF)
+                for j in T.unroll(MERGE_UNROLL):
+                    m = T.max(m, ls[j])
             total = 0
-            for s in T.serial(S):
-                if PL[s, r, h] > NEG_INF:
-                    total += T.exp(PL[s, r, h] - m)
+            for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
+                for j in T.unroll(MERGE_UNROLL):
+                    ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[T.min(s0 * MERGE_UNROLL + j, S - 1), r, h], NEG_INF)
+                for j in T.unroll(MERGE_UNROLL):
+                    total += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - m), 0)
             gated = (flags & HAS_GATE) != 0
             for i in T.serial(T.ceildiv(D, threads)):
-                d = i * threads + tx
-                if d < D:
-                    acc = T.alloc_var("float32")
-                    acc = 0
-                    for s in T.serial(S):
-                        if PL[s, r, h] > NEG_INF:
-                            acc += T.exp(PL[s, r, h] - m) * T.cast(PO[s, r, h, d], "float32")
+                d = T.min(i * threads + tx, D - 1)
+                acc = T.alloc_var("float32")
+                acc = 0
+                for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
+                    for j in T.unroll(MERGE_UNROLL):
+                        sj = T.min(s0 * MERGE_UNROLL + j, S - 1)
+                        ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[sj, r, h], NEG_INF)
+                        ps[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
+                    for j in T.unroll(MERGE_UNROLL):
+                        # a split without keys (-inf) may hold anything, NaN included: select, never multiply
+                        acc += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - m) * ps[j], 0)
+                if i * threads + tx < D:
                     o = T.if_then_else(total > 0, acc / total, 0)
                     gv = T.if_then_else(gated, G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(d, DG - 1)], 0)
                     O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
