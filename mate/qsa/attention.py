@@ -68,13 +68,24 @@ def _unit_kv_scale(name: str, v) -> None:
         )
 
 
-def _compute_dtype(v) -> None:
+def _compute_dtype(v, inputs: torch.dtype) -> None:
+    """One rule: None means the inputs' dtype; an explicit compute_dtype must be that dtype.
+
+    The MMAs run in the dtype of Q/K/V (FP32 accumulation); nothing converts the inputs,
+    so a compute_dtype that differs from them cannot be honoured and is an error."""
+    if v is None:
+        return
     if not isinstance(v, torch.dtype):
-        raise TypeError(f"compute_dtype must be a torch.dtype, got {type(v).__name__}")
+        raise TypeError(f"compute_dtype must be None or a torch.dtype, got {type(v).__name__}")
     if _is_fp8(v):
         raise ValueError(f"compute_dtype {v} is not supported: FP8 compute is not enabled; use torch.bfloat16")
     if v not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float16, got {v}")
+        raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {v}")
+    if v != inputs:
+        raise ValueError(
+            f"compute_dtype={v} differs from the query/key/value dtype {inputs}: the matmuls run in the inputs' dtype; "
+            "pass compute_dtype=None (or the inputs' dtype), or convert the inputs"
+        )
 
 
 def _softmax_scale(scale, softmax_scale, dim: int) -> float:
@@ -115,7 +126,7 @@ def qsa_sparse_attention(
     softmax_scale: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    compute_dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype | None = None,
     lse: torch.Tensor | None = None,
 ):
     """QSA core attention over a per-row token set (see the module docstring for the semantics).
@@ -133,8 +144,10 @@ def qsa_sparse_attention(
     - gate: floating, shape query.shape[:-1] (per head) or query.shape (per element).
     - num_splits (None or positive; 1 disables SplitKV) and warp_specialized choose
       the native schedule; they do not change the result.
-    - k_scale / v_scale must be 1 (FP8 K/V is not supported); compute_dtype must be
-      bfloat16 (default) or float16; FP8 is not enabled.
+    - k_scale / v_scale must be 1 (FP8 K/V is not supported). compute_dtype: None
+      (default) is the dtype of query/key/value; an explicit bfloat16 or float16 must be
+      that dtype, else ValueError (the seed's default, torch.bfloat16, ran fp16 inputs in
+      fp16 without a word); FP8 is not enabled; float32 inputs (reference only) take None.
     - selected_kv_indices: int32 [rows, W] physical ids into flattened key/value
       [N, Hkv, D] with flattened query [rows, Hq, D]. Excludes token_indices,
       block_indices, request/page/causal metadata and gate. `lse` (FP32 [rows, Hq])
@@ -165,8 +178,8 @@ def qsa_sparse_attention(
     _attention_input("value", value)
     _unit_kv_scale("k_scale", k_scale)
     _unit_kv_scale("v_scale", v_scale)
-    _compute_dtype(compute_dtype)
     C.same_dtype(query=query, key=key, value=value)
+    _compute_dtype(compute_dtype, query.dtype)
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
     hq, dim = query.shape[-2], query.shape[-1]
@@ -296,7 +309,7 @@ def qsa_sparse_attention(
     C.no_overlap({"out": out, "lse": lse}, inputs)
 
     if backend == "tilelang":
-        _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits)
+        _native_limits(query, key, value, kv_layout, warp_specialized, num_splits)
         return _native(
             query, key, value, indices, kv_layout=kv_layout, n_req=n_req, block_indices=block_indices,
             compact=assume_compact_blocks, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
@@ -316,7 +329,7 @@ def qsa_sparse_attention(
     return (out, res_lse) if return_lse else out
 
 
-def _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits):
+def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
     if kv_layout == "varlen":
@@ -338,10 +351,9 @@ def _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype
         raise ValueError(
             f"warp_specialized needs the canonical geometry Hq, Hkv, D = {CANONICAL_GEOMETRY}, got {(hq, hkv, dim)}"
         )
-    if kv_layout == "physical" and (query.dtype != torch.bfloat16 or compute_dtype != torch.bfloat16):
+    if kv_layout == "physical" and query.dtype != torch.bfloat16:
         raise ValueError(
-            f"selected_kv_indices runs natively on bfloat16 query/key/value with compute_dtype=torch.bfloat16, "
-            f"got {query.dtype} and compute_dtype={compute_dtype}; use backend='reference'"
+            f"selected_kv_indices runs natively on bfloat16 query/key/value, got {query.dtype}; use backend='reference'"
         )
     C.vector_layout("key", key)
     C.vector_layout("value", value)
