@@ -36,7 +36,7 @@ import functools
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.qsa import merge, reference
 from mate.qsa.kernels import sparse as kernels
 
@@ -307,6 +307,9 @@ def qsa_sparse_attention(
                   query_positions=query_positions, block_table=block_table, gate=gate)
     C.same_device(**inputs, out=out, lse=lse)
     C.no_overlap({"out": out, "lse": lse}, inputs)
+    if _debug.enabled():
+        _debug_values(query, key, indices, kv_layout, n_req, block_indices, assume_compact_blocks, cu_seqlens_q,
+                      token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, block_table)
 
     if backend == "tilelang":
         _native_limits(query, key, value, kv_layout, warp_specialized, num_splits)
@@ -357,6 +360,30 @@ def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
         )
     C.vector_layout("key", key)
     C.vector_layout("value", value)
+
+
+def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact, cu_seqlens_q, token_to_req,
+                  cu_seqlens_k, seq_lens_q, seq_lens_k, block_table):
+    """MATE_DEBUG_CHECKS: the metadata values the native path trusts or masks (see mate/_debug.py)."""
+    if kv_layout == "physical":
+        _debug.in_range("selected_kv_indices", indices, -1, key.shape[0], f" (key holds {key.shape[0]} rows)")
+        return
+    rows = query.shape[0] if query.dim() == 3 else query.shape[1]
+    if query.dim() == 3:
+        _debug.request_rows(rows, n_req, cu_seqlens_q, token_to_req)
+    if kv_layout == "paged":
+        cap = block_table.shape[1] * key.shape[1]
+        _debug.in_range("block_table", block_table, -1, key.shape[0], f" (the pool holds {key.shape[0]} pages)")
+    elif kv_layout == "varlen":
+        _debug.offsets("cu_seqlens_k", cu_seqlens_k.long(), key.shape[0], exact=True)
+        cap = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if n_req else 0
+    else:
+        cap = key.shape[1]
+    _debug.in_range("token_indices", indices, -1, cap, f" (the cache holds {cap} tokens a request)")
+    _debug.lengths("seq_lens_k", seq_lens_k, cap, "tokens a request's cache holds")
+    _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
+    if block_indices is not None:
+        _debug.block_hint(indices, block_indices, compact)
 
 
 # ---------------------------------------------------------------- native path

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.qsa import reference
 from mate.qsa.kernels import mqa as kernels
 
@@ -145,6 +145,13 @@ def qsa_indexer_mqa_score(
     C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
     C.same_device(q_idx=q_idx, block_keys=block_keys, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                   token_to_req=token_to_req, query_positions=query_positions, seq_lens_q=seq_lens_q)
+    if _debug.enabled():
+        rows = q_idx.shape[0] if varlen else q_idx.shape[1]
+        if varlen:
+            _debug.request_rows(rows, n_req, cu_seqlens_q, token_to_req)
+        if paged:
+            _debug.in_range("block_table", block_table, -1, cache.shape[0], f" (the pool holds {cache.shape[0]} pages)")
+        _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
 
     if backend == "reference":
         return _score_reference(q_idx, block_keys if not paged else cache, block_table, cu_seqlens_q, token_to_req,
@@ -186,6 +193,8 @@ def _score_reference(q, keys, table, cu, t2r, n_req, positions, seq_lens, block_
             local = torch.arange(q.shape[1], device=q.device)
         else:
             if cu is not None:
+                if b == 0:
+                    _debug.offsets("cu_seqlens_q", cu, q.shape[0])
                 rows = torch.arange(int(cu[b]), int(cu[b + 1]), device=q.device)
             else:
                 rows = torch.nonzero(t2r == b).flatten()
@@ -235,6 +244,9 @@ def qsa_mqa_prefill(
     C.int32("row_starts", row_starts, shape=(rows,))
     C.int32("row_ends", row_ends, shape=(rows,))
     C.same_device(q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+    if _debug.enabled():
+        for name, x in (("row_starts", row_starts), ("row_ends", row_ends)):
+            _debug.in_range(name, x, 0, k.shape[0] + 1, f" (k holds {k.shape[0]} keys)")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     k2 = k.reshape(k.shape[0], k.shape[-1]) if k.dim() == 3 else k
 
@@ -295,6 +307,10 @@ def qsa_mqa_decode(
     C.int32("context_lens", context_lens, shape=(batch,))
     max_model_len = C.positive_int("max_model_len", max_model_len)
     C.same_device(q=q, k_cache=k_cache, page_table=page_table, context_lens=context_lens)
+    if _debug.enabled():
+        pages = k_cache.shape[0]
+        _debug.in_range("page_table", page_table, -1, pages, f" (k_cache holds {pages} pages)")
+        _debug.lengths("context_lens", context_lens, page_table.shape[1] * k_cache.shape[1], "keys the page table holds")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     q3 = q.reshape(batch, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]) if k_cache.dim() == 4 else k_cache
