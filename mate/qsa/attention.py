@@ -32,6 +32,7 @@ max_pages * page_size).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -399,7 +400,7 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
     if x is None or lead == 1:
         return x
     try:
-        return x.view(-1, *x.shape[lead:])
+        return x.view(math.prod(x.shape[:lead]), *x.shape[lead:])  # not -1: ambiguous when x is empty
     except RuntimeError:
         raise ValueError(
             f"{name}'s batch and query axes must collapse to a zero-copy row view (strides {tuple(x.stride())} for shape "
