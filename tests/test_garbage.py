@@ -65,3 +65,13 @@ def test_poisoning_can_fail(name, gen):
     clean = outputs(case)
     case.poison(used_too=True)
     assert not all(torch.equal(a, b) for a, b in zip(clean, outputs(case)))
+
+
+def test_gqa_configs_keep_the_band_guarantee():
+    """The native GQA kernel loads no key outside a query tile's band only while block_n <= block_m
+    (mate/swa/kernels/gqa.py); every shipped config must keep that."""
+    from mate import _dispatch
+
+    for target in ("sm90",):
+        for key, tiles in _dispatch.load_config(target)["gqa_fwd"].items():
+            assert tiles["block_n"] <= tiles["block_m"], f"{target} gqa_fwd[{key}]: block_n {tiles['block_n']} > block_m {tiles['block_m']}"
