@@ -341,6 +341,19 @@ def mqa_prefill(device, gen):
     return Case(call, [(k, used)])
 
 
+def outputs(case, backend):
+    """The case's outputs, copied (a call may return a buffer the next call writes)."""
+    return [t.clone() for t in case.call(backend)]
+
+
+def assert_ignores_unused(make, device, gen, backend, what=""):
+    """Clean run, garbage into every unused place, run again: the same bits."""
+    case = make(device, gen)
+    clean = outputs(case, backend)
+    case.poison()
+    assert_unchanged(clean, outputs(case, backend), what)
+
+
 def assert_unchanged(clean, dirty, what=""):
     for i, (a, b) in enumerate(zip(clean, dirty)):
         assert not torch.isnan(a).any(), f"{what} output {i}: NaN in the clean result"

@@ -27,16 +27,9 @@ CASES = {
 }
 
 
-def outputs(case):
-    return [t.clone() for t in case.call("reference")]
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_reference_ignores_unused_memory(name, gen):
-    case = CASES[name]("cpu", gen)
-    clean = outputs(case)
-    case.poison()
-    G.assert_unchanged(clean, outputs(case), name)
+    G.assert_ignores_unused(CASES[name], "cpu", gen, "reference", name)
 
 
 @pytest.mark.parametrize("window", [(64, 0), (31, 5), (-1, 0), (3, 200)], ids=str)
@@ -62,9 +55,9 @@ def test_reference_gqa_is_exact_per_row(window, gen):
 def test_poisoning_can_fail(name, gen):
     """The check itself can fail: garbage in the used places too does reach the result."""
     case = CASES[name]("cpu", gen)
-    clean = outputs(case)
+    clean = G.outputs(case, "reference")
     case.poison(used_too=True)
-    assert not all(torch.equal(a, b) for a, b in zip(clean, outputs(case)))
+    assert not all(torch.equal(a, b) for a, b in zip(clean, G.outputs(case, "reference")))
 
 
 def test_gqa_configs_keep_the_band_guarantee():

@@ -33,7 +33,7 @@ level). This needs a band at least `block_n` keys wide unless it touches key
 0 (the clamped tile then starts before 0) or `Sk`; with `block_n <= block_m`
 it is (a full query tile has `block_m` rows, and a partial one is the last,
 whose band ends at `Sk`); a config with a wider `block_n` keeps the results
-but not this guarantee (tests/test_gqa.py checks the shipped configs). Inside
+but not this guarantee (tests/test_garbage.py checks the shipped configs). Inside
 the band, K is safe (masked scores are replaced, NaN included), but a
 non-finite V row of a key that some row of the query tile sees reaches the
 tile's other rows as 0 * NaN: garbage can only matter to a row if it lies in
