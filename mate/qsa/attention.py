@@ -137,10 +137,15 @@ def qsa_sparse_attention(
 
     - block_indices: optional int32 hint, the 4-token blocks behind token_indices,
       shape token_indices.shape[:-1] + (nb,) with 1 <= nb <= 512 and
-      token_indices.shape[-1] == 4 * nb + 3. Result-neutral; the caller guarantees it
-      matches token_indices. assume_compact_blocks=True (needs block_indices) is the
-      producer's promise that valid block ids form a prefix of each row and are
-      causally visible.
+      token_indices.shape[-1] == 4 * nb + 3. Result-neutral when it matches token_indices
+      (block b stands for tokens 4b .. 4b+3, -1 for four -1): the native path trusts it
+      without reading it back, so a hint that disagrees changes the native result (the
+      reference ignores the hint); MATE_DEBUG_CHECKS=1 / mate.debug_checks() catches it.
+      assume_compact_blocks=True (needs block_indices) is the producer's promise that
+      valid block ids form a prefix of each row and are causally visible (trusted the
+      same way; the debug checks test the prefix).
+    - An empty pool (0 pages) or a block_table with 0 columns: nothing is visible, the
+      output is 0 and the LSE -inf.
     - scale / softmax_scale (aliases, not both): positive multiplier, default 1/sqrt(D).
     - gate: floating, shape query.shape[:-1] (per head) or query.shape (per element).
     - num_splits (None or positive; 1 disables SplitKV) and warp_specialized choose

@@ -89,7 +89,10 @@ def qsa_indexer_mqa_score(
     [pages, page_size, (1,) D] with block_table [B, max_pages] need
     backend="reference"; native packed rows use qsa_mqa_prefill and native
     paged scoring qsa_mqa_decode. With block_table, N_B = max_pages * page_size
-    and keys in missing pages (-1 or past the pool) score -inf.
+    and keys in missing pages (-1 or past the pool) score -inf; an empty pool
+    scores -inf everywhere, a 0-column block_table gives N_B = 0. cu_seqlens_q
+    must be nondecreasing offsets within [0, total_q] (ValueError otherwise);
+    rows past its last offset belong to no request and score -inf.
 
     query_positions (int32, q_idx.shape[:-2]) are request-local positions,
     by default the row's index within its request. seq_lens_q (int32 [B])
@@ -283,7 +286,8 @@ def qsa_mqa_decode(
     or [pages, page_size, dim]; page_table int32 [B, max_pages] of page ids
     (-1 for unused); context_lens int32 [B], visible compressed keys per request.
     Key n scores -inf unless n < context_lens[b] and its page exists (in the
-    table, inside the pool). Native: BF16/FP16, heads 4, dim 128, page sizes
+    table, inside the pool): an empty pool or a 0-column page_table gives -inf
+    everywhere. Native: BF16/FP16, heads 4, dim 128, page sizes
     8/16/32/64; q goes through plain loads, so broadcast (stride-0) q is fine.
     """
     backend = _dispatch.backend(backend)
