@@ -5,6 +5,8 @@ ValueError for anything unsupported) or backend="reference" (the PyTorch FP32
 oracle, any device). Under torch.compile each call is one torch.ops.mate op.
 """
 
+from mate._debug import debug_checks  # opt-in value checks of the metadata (also MATE_DEBUG_CHECKS=1)
+
 # The stages' entrypoints, registered as torch.library ops (torch.ops.mate.*) for torch.compile.
 from mate._ops import (
     build_gqa_attn,
@@ -20,6 +22,7 @@ from mate._ops import (
 
 __all__ = [
     "build_gqa_attn",
+    "debug_checks",
     "gqa_attention",
     "merge_attention_states",
     "nsa_selection_attention",

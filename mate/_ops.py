@@ -156,7 +156,7 @@ def _qsa_op(
     cu_seqlens_k: Tensor | None, seq_lens_q: Tensor | None, seq_lens_k: Tensor | None, query_positions: Tensor | None,
     block_table: Tensor | None, page_size: int | None, scale: float | None, gate: Tensor | None, num_splits: int | None,
     backend: str, warp_specialized: bool, assume_compact_blocks: bool, selected_kv_indices: Tensor | None,
-    softmax_scale: float | None, k_scale: float, v_scale: float, compute_dtype: torch.dtype, caller_lse: bool,
+    softmax_scale: float | None, k_scale: float, v_scale: float, compute_dtype: torch.dtype | None, caller_lse: bool,
 ) -> None:
     # The entrypoint takes an lse buffer with physical ids only (and rejects one the caller gave otherwise).
     physical = selected_kv_indices is not None
@@ -178,7 +178,7 @@ def _qsa_compiled(
     num_requests=None, cu_seqlens_k=None, seq_lens_q=None, seq_lens_k=None, query_positions=None, block_table=None,
     page_size=None, scale=None, gate=None, num_splits=None, return_lse=False, backend="tilelang",
     warp_specialized=False, assume_compact_blocks=False, out=None, selected_kv_indices=None, softmax_scale=None,
-    k_scale=1.0, v_scale=1.0, compute_dtype=torch.bfloat16, lse=None,
+    k_scale=1.0, v_scale=1.0, compute_dtype=None, lse=None,
 ):
     caller_lse = lse is not None
     out = query.new_empty(query.shape) if out is None else out

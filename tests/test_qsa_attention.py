@@ -376,9 +376,23 @@ def test_schedule_options_and_block_hint_are_result_neutral(gen):
     base = mate.qsa_sparse_attention(query, key, value, tok, return_lse=True, backend="reference")
     for kw in [dict(num_splits=1), dict(num_splits=7), dict(num_splits=None, warp_specialized=True),
                dict(block_indices=blocks), dict(block_indices=blocks, assume_compact_blocks=True),
-               dict(compute_dtype=torch.float16), dict(k_scale=1, v_scale=1.0)]:
+               dict(compute_dtype=None), dict(k_scale=1, v_scale=1.0)]:
         out, lse = mate.qsa_sparse_attention(query, key, value, tok, return_lse=True, backend="reference", **kw)
         assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), kw
+
+
+def test_compute_dtype_is_the_inputs_dtype(gen):
+    """None (default) means the inputs' dtype; an explicit compute_dtype must be that dtype."""
+    query, key, value, tok = small(gen)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+        base = mate.qsa_sparse_attention(q, k, v, tok, backend="reference")
+        assert torch.equal(mate.qsa_sparse_attention(q, k, v, tok, compute_dtype=dtype, backend="reference"), base)
+        other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+        with pytest.raises(ValueError, match="compute_dtype.*differs"):
+            mate.qsa_sparse_attention(q, k, v, tok, compute_dtype=other, backend="reference")
+    with pytest.raises(ValueError, match="compute_dtype.*differs"):  # float32 inputs take None only
+        mate.qsa_sparse_attention(query, key, value, tok, compute_dtype=torch.bfloat16, backend="reference")
 
 
 def test_block_hint_widths(gen):

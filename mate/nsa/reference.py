@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from mate._reference import visible_value_sum
+
 NEG_INF = float("-inf")
 
 
@@ -44,7 +46,7 @@ def selection_attention(q, k, v, block_indices, block_counts, block_size, scale,
         return out, lse
     n_blocks = math.ceil(N / block_size)
     used = used_slots(block_indices, block_counts, N, block_size)
-    kf, vf = k.float(), v.float()
+    kf, vg = k.float(), v.float().permute(0, 2, 1, 3).unsqueeze(2)  # vg [B, G, 1, N, D]
     key_block = torch.arange(N, device=dev) // block_size
     chunk = max(1, chunk_elems // max(1, B * H * N))
     for m0 in range(0, M, chunk):
@@ -55,14 +57,16 @@ def selection_attention(q, k, v, block_indices, block_counts, block_size, scale,
         key_mult = mult[..., key_block]  # [B, mc, G, N]
         pos = N - M + torch.arange(m0, m1, device=dev)
         visible = torch.arange(N, device=dev) <= pos[:, None]  # [mc, N]
-        ok = (key_mult > 0) & visible[None, :, None, :]
-        bias = torch.where(ok, key_mult.log(), torch.full_like(key_mult, NEG_INF))
-        qc = q[:, m0:m1].float().reshape(B, m1 - m0, G, hpg, D)
-        s = torch.einsum("bmghd,bngd->bmghn", qc, kf) * scale + bias.unsqueeze(3)
+        ok = ((key_mult > 0) & visible[None, :, None, :]).permute(0, 2, 1, 3).unsqueeze(3)  # [B, G, mc, 1, N]
+        qc = q[:, m0:m1].float().reshape(B, m1 - m0, G, hpg, D).permute(0, 2, 1, 3, 4)  # [B, G, mc, hpg, D]
+        s = torch.einsum("bgmhd,bngd->bgmhn", qc, kf) * scale
+        # where, not + bias: a NaN score of an unused key must not survive
+        s = torch.where(ok, s + key_mult.log().permute(0, 2, 1, 3).unsqueeze(3), NEG_INF)
         row_lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
         live = torch.isfinite(row_lse)
         p = torch.exp(s - torch.where(live, row_lse, torch.zeros_like(row_lse)).unsqueeze(-1))
-        o = torch.einsum("bmghn,bngd->bmghd", p, vf)
-        out[:, m0:m1] = o.reshape(B, m1 - m0, H, D)
+        o = visible_value_sum(p, ok, vg)  # [B, G, mc, hpg, D]
+        row_lse = row_lse.permute(0, 2, 1, 3)  # [B, mc, G, hpg]
+        out[:, m0:m1] = o.permute(0, 2, 1, 3, 4).reshape(B, m1 - m0, H, D)
         lse[:, :, m0:m1] = row_lse.reshape(B, m1 - m0, H).transpose(1, 2)
     return out, lse

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.nsa import reference
 from mate.nsa.kernels import selection as kernels
 
@@ -88,6 +88,10 @@ def nsa_selection_attention(
         C.out_buffer("lse", lse, shape=(B, H, M), dtype=torch.float32, device=q.device)
     C.same_device(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts, out=out, lse=lse)
     C.no_overlap({"out": out, "lse": lse}, {"q": q, "k": k, "v": v, "block_indices": block_indices, "block_counts": block_counts})
+    if _debug.enabled():
+        n_blocks = -(-N // block_size)
+        _debug.in_range("block_indices", block_indices, -1, n_blocks, f" (k holds {n_blocks} blocks of {block_size})")
+        _debug.lengths("block_counts", block_counts, n_slots, "slots a row holds")
 
     if backend == "reference":
         o_ref, lse_ref = reference.selection_attention(q, k, v, block_indices, block_counts, block_size, mult)

@@ -32,11 +32,12 @@ max_pages * page_size).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.qsa import merge, reference
 from mate.qsa.kernels import sparse as kernels
 
@@ -68,13 +69,24 @@ def _unit_kv_scale(name: str, v) -> None:
         )
 
 
-def _compute_dtype(v) -> None:
+def _compute_dtype(v, inputs: torch.dtype) -> None:
+    """One rule: None means the inputs' dtype; an explicit compute_dtype must be that dtype.
+
+    The MMAs run in the dtype of Q/K/V (FP32 accumulation); nothing converts the inputs,
+    so a compute_dtype that differs from them cannot be honoured and is an error."""
+    if v is None:
+        return
     if not isinstance(v, torch.dtype):
-        raise TypeError(f"compute_dtype must be a torch.dtype, got {type(v).__name__}")
+        raise TypeError(f"compute_dtype must be None or a torch.dtype, got {type(v).__name__}")
     if _is_fp8(v):
         raise ValueError(f"compute_dtype {v} is not supported: FP8 compute is not enabled; use torch.bfloat16")
     if v not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float16, got {v}")
+        raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {v}")
+    if v != inputs:
+        raise ValueError(
+            f"compute_dtype={v} differs from the query/key/value dtype {inputs}: the matmuls run in the inputs' dtype; "
+            "pass compute_dtype=None (or the inputs' dtype), or convert the inputs"
+        )
 
 
 def _softmax_scale(scale, softmax_scale, dim: int) -> float:
@@ -115,7 +127,7 @@ def qsa_sparse_attention(
     softmax_scale: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    compute_dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype | None = None,
     lse: torch.Tensor | None = None,
 ):
     """QSA core attention over a per-row token set (see the module docstring for the semantics).
@@ -125,16 +137,23 @@ def qsa_sparse_attention(
 
     - block_indices: optional int32 hint, the 4-token blocks behind token_indices,
       shape token_indices.shape[:-1] + (nb,) with 1 <= nb <= 512 and
-      token_indices.shape[-1] == 4 * nb + 3. Result-neutral; the caller guarantees it
-      matches token_indices. assume_compact_blocks=True (needs block_indices) is the
-      producer's promise that valid block ids form a prefix of each row and are
-      causally visible.
+      token_indices.shape[-1] == 4 * nb + 3. Result-neutral when it matches token_indices
+      (block b stands for tokens 4b .. 4b+3, -1 for four -1): the native path trusts it
+      without reading it back, so a hint that disagrees changes the native result (the
+      reference ignores the hint); MATE_DEBUG_CHECKS=1 / mate.debug_checks() catches it.
+      assume_compact_blocks=True (needs block_indices) is the producer's promise that
+      valid block ids form a prefix of each row and are causally visible (trusted the
+      same way; the debug checks test the prefix).
+    - An empty pool (0 pages) or a block_table with 0 columns: nothing is visible, the
+      output is 0 and the LSE -inf.
     - scale / softmax_scale (aliases, not both): positive multiplier, default 1/sqrt(D).
     - gate: floating, shape query.shape[:-1] (per head) or query.shape (per element).
     - num_splits (None or positive; 1 disables SplitKV) and warp_specialized choose
       the native schedule; they do not change the result.
-    - k_scale / v_scale must be 1 (FP8 K/V is not supported); compute_dtype must be
-      bfloat16 (default) or float16; FP8 is not enabled.
+    - k_scale / v_scale must be 1 (FP8 K/V is not supported). compute_dtype: None
+      (default) is the dtype of query/key/value; an explicit bfloat16 or float16 must be
+      that dtype, else ValueError (the seed's default, torch.bfloat16, ran fp16 inputs in
+      fp16 without a word); FP8 is not enabled; float32 inputs (reference only) take None.
     - selected_kv_indices: int32 [rows, W] physical ids into flattened key/value
       [N, Hkv, D] with flattened query [rows, Hq, D]. Excludes token_indices,
       block_indices, request/page/causal metadata and gate. `lse` (FP32 [rows, Hq])
@@ -165,8 +184,8 @@ def qsa_sparse_attention(
     _attention_input("value", value)
     _unit_kv_scale("k_scale", k_scale)
     _unit_kv_scale("v_scale", v_scale)
-    _compute_dtype(compute_dtype)
     C.same_dtype(query=query, key=key, value=value)
+    _compute_dtype(compute_dtype, query.dtype)
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
     hq, dim = query.shape[-2], query.shape[-1]
@@ -294,9 +313,12 @@ def qsa_sparse_attention(
                   query_positions=query_positions, block_table=block_table, gate=gate)
     C.same_device(**inputs, out=out, lse=lse)
     C.no_overlap({"out": out, "lse": lse}, inputs)
+    if _debug.enabled():
+        _debug_values(query, key, indices, kv_layout, n_req, block_indices, assume_compact_blocks, cu_seqlens_q,
+                      token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, block_table)
 
     if backend == "tilelang":
-        _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits)
+        _native_limits(query, key, value, kv_layout, warp_specialized, num_splits)
         return _native(
             query, key, value, indices, kv_layout=kv_layout, n_req=n_req, block_indices=block_indices,
             compact=assume_compact_blocks, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
@@ -316,7 +338,7 @@ def qsa_sparse_attention(
     return (out, res_lse) if return_lse else out
 
 
-def _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype, num_splits):
+def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
     if kv_layout == "varlen":
@@ -338,13 +360,36 @@ def _native_limits(query, key, value, kv_layout, warp_specialized, compute_dtype
         raise ValueError(
             f"warp_specialized needs the canonical geometry Hq, Hkv, D = {CANONICAL_GEOMETRY}, got {(hq, hkv, dim)}"
         )
-    if kv_layout == "physical" and (query.dtype != torch.bfloat16 or compute_dtype != torch.bfloat16):
+    if kv_layout == "physical" and query.dtype != torch.bfloat16:
         raise ValueError(
-            f"selected_kv_indices runs natively on bfloat16 query/key/value with compute_dtype=torch.bfloat16, "
-            f"got {query.dtype} and compute_dtype={compute_dtype}; use backend='reference'"
+            f"selected_kv_indices runs natively on bfloat16 query/key/value, got {query.dtype}; use backend='reference'"
         )
     C.vector_layout("key", key)
     C.vector_layout("value", value)
+
+
+def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact, cu_seqlens_q, token_to_req,
+                  cu_seqlens_k, seq_lens_q, seq_lens_k, block_table):
+    """MATE_DEBUG_CHECKS: the metadata values the native path trusts or masks (see mate/_debug.py)."""
+    if kv_layout == "physical":
+        _debug.in_range("selected_kv_indices", indices, -1, key.shape[0], f" (key holds {key.shape[0]} rows)")
+        return
+    rows = query.shape[0] if query.dim() == 3 else query.shape[1]
+    if query.dim() == 3:
+        _debug.request_rows(rows, n_req, cu_seqlens_q, token_to_req)
+    if kv_layout == "paged":
+        cap = block_table.shape[1] * key.shape[1]
+        _debug.in_range("block_table", block_table, -1, key.shape[0], f" (the pool holds {key.shape[0]} pages)")
+    elif kv_layout == "varlen":
+        _debug.offsets("cu_seqlens_k", cu_seqlens_k.long(), key.shape[0], exact=True)
+        cap = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if n_req else 0
+    else:
+        cap = key.shape[1]
+    _debug.in_range("token_indices", indices, -1, cap, f" (the cache holds {cap} tokens a request)")
+    _debug.lengths("seq_lens_k", seq_lens_k, cap, "tokens a request's cache holds")
+    _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
+    if block_indices is not None:
+        _debug.block_hint(indices, block_indices, compact)
 
 
 # ---------------------------------------------------------------- native path
@@ -360,7 +405,7 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
     if x is None or lead == 1:
         return x
     try:
-        return x.view(-1, *x.shape[lead:])
+        return x.view(math.prod(x.shape[:lead]), *x.shape[lead:])  # not -1: ambiguous when x is empty
     except RuntimeError:
         raise ValueError(
             f"{name}'s batch and query axes must collapse to a zero-copy row view (strides {tuple(x.stride())} for shape "

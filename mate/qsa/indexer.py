@@ -20,7 +20,7 @@ import functools
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.qsa import reference
 from mate.qsa.kernels import mqa as kernels
 
@@ -89,7 +89,10 @@ def qsa_indexer_mqa_score(
     [pages, page_size, (1,) D] with block_table [B, max_pages] need
     backend="reference"; native packed rows use qsa_mqa_prefill and native
     paged scoring qsa_mqa_decode. With block_table, N_B = max_pages * page_size
-    and keys in missing pages (-1 or past the pool) score -inf.
+    and keys in missing pages (-1 or past the pool) score -inf; an empty pool
+    scores -inf everywhere, a 0-column block_table gives N_B = 0. cu_seqlens_q
+    must be nondecreasing offsets within [0, total_q] (ValueError otherwise);
+    rows past its last offset belong to no request and score -inf.
 
     query_positions (int32, q_idx.shape[:-2]) are request-local positions,
     by default the row's index within its request. seq_lens_q (int32 [B])
@@ -145,6 +148,13 @@ def qsa_indexer_mqa_score(
     C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
     C.same_device(q_idx=q_idx, block_keys=block_keys, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                   token_to_req=token_to_req, query_positions=query_positions, seq_lens_q=seq_lens_q)
+    if _debug.enabled():
+        rows = q_idx.shape[0] if varlen else q_idx.shape[1]
+        if varlen:
+            _debug.request_rows(rows, n_req, cu_seqlens_q, token_to_req)
+        if paged:
+            _debug.in_range("block_table", block_table, -1, cache.shape[0], f" (the pool holds {cache.shape[0]} pages)")
+        _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
 
     if backend == "reference":
         return _score_reference(q_idx, block_keys if not paged else cache, block_table, cu_seqlens_q, token_to_req,
@@ -186,6 +196,8 @@ def _score_reference(q, keys, table, cu, t2r, n_req, positions, seq_lens, block_
             local = torch.arange(q.shape[1], device=q.device)
         else:
             if cu is not None:
+                if b == 0:
+                    _debug.offsets("cu_seqlens_q", cu, q.shape[0])
                 rows = torch.arange(int(cu[b]), int(cu[b + 1]), device=q.device)
             else:
                 rows = torch.nonzero(t2r == b).flatten()
@@ -235,6 +247,9 @@ def qsa_mqa_prefill(
     C.int32("row_starts", row_starts, shape=(rows,))
     C.int32("row_ends", row_ends, shape=(rows,))
     C.same_device(q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+    if _debug.enabled():
+        for name, x in (("row_starts", row_starts), ("row_ends", row_ends)):
+            _debug.in_range(name, x, 0, k.shape[0] + 1, f" (k holds {k.shape[0]} keys)")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     k2 = k.reshape(k.shape[0], k.shape[-1]) if k.dim() == 3 else k
 
@@ -271,7 +286,8 @@ def qsa_mqa_decode(
     or [pages, page_size, dim]; page_table int32 [B, max_pages] of page ids
     (-1 for unused); context_lens int32 [B], visible compressed keys per request.
     Key n scores -inf unless n < context_lens[b] and its page exists (in the
-    table, inside the pool). Native: BF16/FP16, heads 4, dim 128, page sizes
+    table, inside the pool): an empty pool or a 0-column page_table gives -inf
+    everywhere. Native: BF16/FP16, heads 4, dim 128, page sizes
     8/16/32/64; q goes through plain loads, so broadcast (stride-0) q is fine.
     """
     backend = _dispatch.backend(backend)
@@ -295,6 +311,10 @@ def qsa_mqa_decode(
     C.int32("context_lens", context_lens, shape=(batch,))
     max_model_len = C.positive_int("max_model_len", max_model_len)
     C.same_device(q=q, k_cache=k_cache, page_table=page_table, context_lens=context_lens)
+    if _debug.enabled():
+        pages = k_cache.shape[0]
+        _debug.in_range("page_table", page_table, -1, pages, f" (k_cache holds {pages} pages)")
+        _debug.lengths("context_lens", context_lens, page_table.shape[1] * k_cache.shape[1], "keys the page table holds")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     q3 = q.reshape(batch, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]) if k_cache.dim() == 4 else k_cache

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from mate._reference import visible_value_sum
+
 NEG_INF = float("-inf")
 
 
@@ -51,7 +53,7 @@ def gqa_attention(q, k, v, left: int, right: int, scale: float, *, max_scores: i
         s = s.masked_fill(~mask[r0:r1], NEG_INF)
         m = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for empty rows
         p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
-        o = torch.matmul(p, vf)  # [B, Hkv, group, r, D]; empty rows: exp(-inf) = 0 everywhere
+        o = visible_value_sum(p, mask[r0:r1], vf)  # [B, Hkv, group, r, D]; empty rows: exp(-inf) = 0 everywhere
         out[:, r0:r1] = o.reshape(B, H, r1 - r0, D).permute(0, 2, 1, 3)
         lse[:, :, r0:r1] = m.reshape(B, H, r1 - r0)
     return out, lse

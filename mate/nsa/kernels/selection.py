@@ -221,6 +221,21 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                         acc[d, h] *= alpha[h]
                     T.barrier_wait(v_full[st], (it // num_stages) & 1)
                     fence()
+                    # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the
+                    # rows past the query (a causally future token of the block, or garbage in a
+                    # cache) and a masked repeat are zeroed first. Only a tile that holds such keys
+                    # pays (the CTA's last one or two, typically): generic stores, the proxy fence
+                    # that orders them before the wgmma's reads, and a consumer barrier.
+                    last0 = blocks[it * per_tile] * block_size + block_size - 1
+                    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
+                    if (last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))):
+                        for k, d in T.Parallel(TILE_KEYS, dim):
+                            slot = it * per_tile + k // block_size
+                            n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+                            if (slot >= n_used) | (n > pos):
+                                Vs[st, k, d] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(CONSUMER_BARRIER, threads)
                     T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
                     fence()
                     T.barrier_arrive(v_empty[st])

@@ -14,11 +14,30 @@ The window class fixes at compile time which sides of the band exist:
             comes in as a sentinel larger than any distance).
 
 `left` and `right` are runtime scalars, so one compiled kernel serves every
-window of its class. Each CTA visits only the key tiles that meet its band,
-`[n_lo, n_hi)`, and masks only the tiles that some row does not see whole,
-`n < full_lo or n >= full_hi`. The online softmax keeps the running max at
--inf for a row that has seen nothing yet and exponentiates against 0 then, so
-a row with no visible key ends with sum 0: output 0 and LSE -inf, never NaN.
+window of its class. Each CTA covers its band, the keys `[lo, hi)` that some
+row of its query tile sees, with `nt` key tiles that start at `lo` (not at a
+multiple of `block_n`); when `hi < Sk` the last tile ends at `hi` instead,
+overlapping its predecessor, whose keys it masks. It masks only the tiles that
+some row does not see whole, `t < full_lo or t >= full_hi`. The online softmax
+keeps the running max at -inf for a row that has seen nothing yet and
+exponentiates against 0 then, so a row with no visible key ends with sum 0:
+output 0 and LSE -inf, never NaN.
+
+Unused cache memory: no key outside the band is loaded (tile parts before
+key 0 or past `Sk` arrive as zeros from TMA), so NaN or Inf there never
+reaches a result. Why the tiles follow the band rather than masking: a masked
+key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN; zeroing
+those V rows in shared memory instead would cost two consumer barriers and a
+proxy fence in every iteration (TileLang's sync planner puts them at the loop
+level). This needs a band at least `block_n` keys wide unless it touches key
+0 (the clamped tile then starts before 0) or `Sk`; with `block_n <= block_m`
+it is (a full query tile has `block_m` rows, and a partial one is the last,
+whose band ends at `Sk`); a config with a wider `block_n` keeps the results
+but not this guarantee (tests/test_garbage.py checks the shipped configs). Inside
+the band, K is safe (masked scores are replaced, NaN included), but a
+non-finite V row of a key that some row of the query tile sees reaches the
+tile's other rows as 0 * NaN: garbage can only matter to a row if it lies in
+the window of a row of the same `block_m`-row query tile.
 
 Hopper: Q, K and V tiles arrive through TMA, K and V into a `num_stages`-deep
 shared ring fed by a producer warpgroup (TileLang's warp specialization of the
@@ -34,9 +53,8 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
      tile t and PV of tile t-1 back to back without waiting, then runs the
      softmax of tile t while PV of tile t-1 is still on the tensor cores.
      K(t) and V(t-1) are loaded in iteration t; the loop runs one extra
-     iteration, so it loads one K tile past the band and one V tile before it
-     (clamped in range; TMA fills rows past Sk with zeros) whose GEMMs are
-     skipped. The first and the extra iteration take their own branches, so
+     iteration, so it loads one K tile past the band (TMA fills rows past Sk
+     with zeros) and, first, tile 0's V twice; their GEMMs are skipped. The first and the extra iteration take their own branches, so
      that no asynchronous wgmma crosses a branch (ptxas would serialize them).
      The loop always runs at least once, so the Q load is always waited for.
      After each wgmma wait the released accumulators are fenced, so the
@@ -66,18 +84,26 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
         "sqb sqs sqh skb sks skh svb svs svh sob sos soh", "int64"
     )
 
+    def tile_start(lo, hi, t):
+        """First key of tile t of the band [lo, hi); the last tile ends at hi when hi < Sk."""
+        start = lo + t * block_n
+        if has_right:
+            start = T.if_then_else(hi < Sk, T.min(start, hi - block_n), start)
+        return start
+
     @T.macro
-    def mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2):
-        """Mask key tile t where needed, update the running max and sum, leave P (FP32) in acc_s."""
+    def mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, start, fresh, m0, shift, full_lo, full_hi, left, right, scale_log2):
+        """Mask key tile t (its keys start at `start`, the new ones at `fresh`) where needed,
+        update the running max and sum, leave P (FP32) in acc_s."""
         if (t < full_lo) | (t >= full_hi):
             for i, j in T.Parallel(block_m, block_n):
-                key = t * block_n + j
+                key = start + j
                 pos = m0 + i + shift
                 ok = key < Sk
                 if has_left:
                     ok = ok & (key >= pos - left)
                 if has_right:
-                    ok = ok & (key <= pos + right)
+                    ok = ok & (key <= pos + right) & (key >= fresh)
                 acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], neg_inf)
         T.copy(m_run, m_prev)
         T.reduce_max(acc_s, m_run, dim=1, clear=False)
@@ -138,17 +164,13 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
             p_first = m0 + shift
             p_last = T.min(m0 + block_m, Sq) - 1 + shift
 
-            # Key tiles some row of this tile sees: [n_lo, n_hi).
+            # The band: keys [lo, hi) that some row of this tile sees, in nt tiles.
             lo = T.max(p_first - left, 0) if has_left else 0
             hi = T.min(p_last + right + 1, Sk) if has_right else Sk
-            n_lo = lo // block_n
-            n_hi = T.max(T.ceildiv(hi, block_n), n_lo)
-            # Key tiles every row sees whole: [full_lo, full_hi).
-            full_lo = T.max(T.ceildiv(T.max(p_last - left, 0), block_n), n_lo) if has_left else n_lo
-            if has_right:
-                full_hi = T.min(T.floordiv(p_first + right + 1, block_n), Sk // block_n)
-            else:
-                full_hi = Sk // block_n
+            nt = T.ceildiv(T.max(hi - lo, 0), block_n)
+            # Tiles every row sees whole: [full_lo, full_hi) (a clamped last tile is never one).
+            full_lo = T.ceildiv(T.max(p_last - left - lo, 0), block_n) if has_left else 0
+            full_hi = T.floordiv((T.min(p_first + right + 1, Sk) if has_right else Sk) - lo, block_n)
 
             T.copy(Q[bz, m0 : m0 + block_m, by, :], Q_s)
             T.fill(acc_o, 0)
@@ -162,26 +184,28 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                 # load inside the loop, and O_s shares shared memory with Q_s, so a Q load left
                 # unwaited could land on O_s after the epilogue wrote it (seen on the H200:
                 # tiles with nothing visible stored nonzero rows).
-                for n in T.Pipelined(n_lo, T.max(n_hi, n_lo + 1), num_stages=num_stages):
-                    T.copy(K[bz, n * block_n : (n + 1) * block_n, kvh, :], K_s)
-                    if n < n_hi:
+                for n in T.Pipelined(0, T.max(nt, 1), num_stages=num_stages):
+                    s0 = tile_start(lo, hi, n)
+                    T.copy(K[bz, s0 : s0 + block_n, kvh, :], K_s)
+                    if n < nt:
                         T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, s0, lo + n * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
                         T.copy(acc_s, acc_p)
                         for i, j in T.Parallel(block_m, dim):
                             acc_o[i, j] *= alpha[i]
-                    T.copy(V[bz, n * block_n : (n + 1) * block_n, kvh, :], V_s)
-                    if n < n_hi:
+                    T.copy(V[bz, s0 : s0 + block_n, kvh, :], V_s)
+                    if n < nt:
                         T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
             else:
                 T.clear(acc_p)
-                for t in T.Pipelined(n_lo, n_hi + 1, num_stages=num_stages):
-                    T.copy(K[bz, t * block_n : (t + 1) * block_n, kvh, :], K_s)
-                    v0 = T.max(t - 1, 0) * block_n
+                for t in T.Pipelined(0, nt + 1, num_stages=num_stages):
+                    k0 = tile_start(lo, hi, t)
+                    T.copy(K[bz, k0 : k0 + block_n, kvh, :], K_s)
+                    v0 = tile_start(lo, hi, T.max(t - 1, 0))
                     T.copy(V[bz, v0 : v0 + block_n, kvh, :], V_s)
                     # Each branch issues and waits its own wgmma groups: no asynchronous GEMM
                     # crosses a branch, so ptxas keeps them asynchronous (else it serializes, C7514).
-                    if (t > n_lo) & (t < n_hi):
+                    if (t > 0) & (t < nt):
                         T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         for i, j in T.Parallel(block_m, dim):
                             acc_o[i, j] *= alpha[i]
@@ -190,18 +214,18 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                         # After each wait, fence the registers it released: else the compiler may read
                         # S (or overwrite P and O) before the wait, while the tensor cores still own them.
                         T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_o, num_regs=regs_o)
                         T.warpgroup_fence_operand(acc_p, num_regs=regs_p)
                         T.copy(acc_s, acc_p)
-                    elif t < n_hi:  # first tile: nothing to overlap with
+                    elif t < nt:  # first tile: nothing to overlap with
                         T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
                         T.copy(acc_s, acc_p)
-                    elif t > n_lo:  # one past the last tile: PV of the last tile
+                    elif t > 0:  # one past the last tile: PV of the last tile
                         for i, j in T.Parallel(block_m, dim):
                             acc_o[i, j] *= alpha[i]
                         T.wgmma_gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
