@@ -26,7 +26,7 @@ import concurrent.futures as cf
 import contextlib
 import datetime
 import hashlib
-import inspect
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -67,7 +67,7 @@ class Cache:
         self.path = path
         self.data = json.loads(path.read_text()) if path.is_file() else {}
         # A compile result holds for the kernel source it was built from, a timing also for its shapes.
-        source = hashlib.sha256(Path(inspect.getsourcefile(_dispatch.STAGES[stage].build)).read_bytes())
+        source = hashlib.sha256(Path(importlib.util.find_spec(_dispatch.STAGES[stage].module).origin).read_bytes())
         self.source = source.hexdigest()[:16]
         source.update(json.dumps(shapes, sort_keys=True).encode())
         self.timed = source.hexdigest()[:16]
