@@ -21,7 +21,7 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.nsa import reference
-kernels = _dispatch.lazy_module("mate.nsa.kernels.selection")
+kernels = _dispatch.lazy_module("mate.nsa.kernels.selection")  # imported, with TileLang, at the first native call
 
 NATIVE_DIMS = (64, 128)
 NATIVE_BLOCK_SIZES = (32, 64)

@@ -38,7 +38,7 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import merge, reference
-kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")
+kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D
 NATIVE_DIM = 256
