@@ -1,5 +1,10 @@
 """mate-precompile on the CPU: which entries it takes, and how it reports (the compiles themselves: test_compile.py)."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from mate import precompile
@@ -37,3 +42,15 @@ def test_command_compiles_the_selection_and_reports_failures(monkeypatch, capsys
         precompile.main(["--stages", "mqa_decode", "--dtypes", "float64"])
     with pytest.raises(SystemExit, match="unknown stage"):
         precompile.main(["--stages", "nope"])
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_command_fills_the_cache_folder(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "mate.precompile", "--stages", "qsa_merge", "--dtypes", "float32", "--jobs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n = len(precompile.entries("sm90", ["qsa_merge"], ["float32"]))  # float32 partials or outputs: 5 small kernels
+    assert f"compiled {n} of {n} kernels for sm90" in proc.stdout
+    assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing written to TILELANG_CACHE_DIR"
