@@ -37,11 +37,13 @@ KEYS = [f"dtype=bfloat16,dim={d},block_size={b}" for d in (64, 128) for b in (32
 
 
 def load_stage(path: Path):
-    spec = importlib.util.spec_from_file_location(f"nsa_other_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
+    # The dispatcher imports a stage's program by module name: register the other source under one.
+    name = f"nsa_other_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     current = _dispatch.STAGES["nsa_selection"]
-    return dataclasses.replace(current, build=module.nsa_selection_fwd, pass_configs=getattr(module, "PASS_CONFIGS", ()))
+    return dataclasses.replace(current, module=name, pass_configs="PASS_CONFIGS" if hasattr(module, "PASS_CONFIGS") else None)
 
 
 def run_case(variants: dict, key: str, stages: int, min_blocks: int, shape: dict) -> dict:

@@ -9,6 +9,7 @@ cache, `TILELANG_CACHE_DIR`, carries compiled kernels across processes).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 from dataclasses import dataclass
@@ -42,17 +43,26 @@ def backend(value) -> str:
 
 @dataclass(frozen=True)
 class Stage:
-    """A native stage: its TileLang builder and the tile parameters its config entries hold.
+    """A native stage: where its TileLang program lives and the tile parameters its config entries hold.
 
-    `build(**spec, **tiles)` returns a `T.prim_func`; `spec` is the specialization
-    (dtype, page size, ...) named by the config key, `tiles` the entry's values.
-    `pass_configs` are TileLang pass options the program needs to compile as written.
+    The program is named, not imported: `import mate` loads no TileLang (about a second
+    of TileLang and TVM), the first compile does. `getattr(module, program)(**spec, **tiles)`
+    returns a `T.prim_func`; `spec` is the specialization (dtype, page size, ...) named by
+    the config key, `tiles` the entry's values. `pass_configs` names the module's tuple of
+    TileLang pass options the program needs to compile as written.
     """
 
     name: str
-    build: Callable
+    module: str
+    program: str
     params: tuple[str, ...]
-    pass_configs: tuple[tuple[str, object], ...] = ()
+    pass_configs: str | None = None
+
+    def build(self, **kwargs):
+        return getattr(importlib.import_module(self.module), self.program)(**kwargs)
+
+    def pass_config_dict(self) -> dict | None:
+        return dict(getattr(importlib.import_module(self.module), self.pass_configs)) if self.pass_configs else None
 
 
 STAGES: dict[str, Stage] = {}
@@ -61,6 +71,27 @@ STAGES: dict[str, Stage] = {}
 def register(stage: Stage) -> Stage:
     STAGES[stage.name] = stage
     return stage
+
+
+class _LazyModule:
+    """A module imported at its first attribute access; what it gave is kept, so later reads are plain lookups."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        value = getattr(importlib.import_module(self._name), attr)
+        setattr(self, attr, value)
+        return value
+
+
+def lazy_module(name: str) -> _LazyModule:
+    """The kernel module `name`, imported (with TileLang) when the API first reads a flag or constant of it.
+
+    The API modules read them only on their native path, so `import mate` and the
+    reference backend never load TileLang.
+    """
+    return _LazyModule(name)
 
 
 class ConfigError(ValueError):
@@ -188,13 +219,31 @@ _kernels: dict = {}
 _lock = threading.Lock()
 
 
+def _program(stage: str, spec: dict, target: str, tile_values: dict | None):
+    values = tiles(stage, spec, target) if tile_values is None else tile_values
+    return STAGES[stage].build(**spec, **values)
+
+
 def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None):
-    """Build and compile one specialization (used by dispatch, the CI compile check and tuning)."""
+    """Build and compile one specialization (used by dispatch, mate-precompile, the CI compile check and tuning)."""
     import tilelang
 
-    values = tiles(stage, spec, target) if tile_values is None else tile_values
-    program = STAGES[stage].build(**spec, **values)
-    return tilelang.compile(program, target=TARGETS[target][1], pass_configs=dict(STAGES[stage].pass_configs) or None)
+    program = _program(stage, spec, target, tile_values)
+    return tilelang.compile(program, target=TARGETS[target][1], pass_configs=STAGES[stage].pass_config_dict())
+
+
+def lower_program(stage: str, spec: dict, target: str, tile_values: dict | None = None) -> str:
+    """The CUDA source TileLang generates for one specialization, without nvcc (about 60% of a compile's time)."""
+    import tilelang
+    import tvm
+
+    program = _program(stage, spec, target, tile_values)
+    # The pass options tilelang.compile would use: the program's own, overridden by the stage's.
+    config = dict(program.attrs["tilelang_pass_configs"]) if program.attrs and "tilelang_pass_configs" in program.attrs else {}
+    config.update(STAGES[stage].pass_config_dict() or {})
+    tvm_target = tvm.target.Target(TARGETS[target][1])
+    with tvm.transform.PassContext(opt_level=3, config=config), tvm_target:
+        return tilelang.lower(program, target=tvm_target).kernel_source
 
 
 def kernel(stage: str, spec: dict, target: str):

@@ -121,3 +121,28 @@ def test_canonical_unit_strides_is_a_view():
     x = torch.empty(16, 4, 8)[3:4]
     y = C.canonical_unit_strides(x.as_strided((1, 4, 8), (5, 8, 1)))
     assert y.stride() == (32, 8, 1) and y.data_ptr() == x.data_ptr()
+
+
+def test_import_mate_loads_no_tilelang():
+    """TileLang and TVM take about a second to load: they come with the first native call, not with `import mate`
+    or a reference call (a fresh interpreter, since this one may have loaded them already)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, mate
+from mate import _dispatch
+loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
+assert not loaded(), ('import mate', loaded())
+q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 1, 64)
+mate.gqa_attention(q, k, k, backend='reference')
+try:
+    mate.gqa_attention(q.bfloat16(), k.bfloat16(), k.bfloat16())
+except ValueError as e:
+    assert 'needs CUDA tensors' in str(e), e
+assert not loaded(), ('a reference call and a refused native one', loaded())
+assert _dispatch.lazy_module('mate.qsa.kernels.sparse').HAS_GATE > 0
+assert 'tilelang' in loaded(), loaded()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

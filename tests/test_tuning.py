@@ -179,7 +179,7 @@ def test_compile_only_compiles_in_parallel_and_records_failures(tmp_path, monkey
     out = capsys.readouterr().out
     assert "compiled 1 candidates, 1 failed" in out and "threads=384: FAILED" in out
     # Resumed from the cache: nothing is compiled again.
-    monkeypatch.setattr(cli.cf, "ProcessPoolExecutor", lambda *a, **k: pytest.fail("recompiled a cached candidate"))
+    monkeypatch.setattr(cli.precompile, "build_all", lambda *a, **k: pytest.fail("recompiled a cached candidate"))
     assert cli.main(args) == 0
 
 
@@ -201,7 +201,7 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     monkeypatch.setitem(TUNABLES, "mqa_decode", Tunable(t.stage, dict(block_keys=(64, 128, 256), threads=(128,)), t.limits,
                                                         t.shapes, workload, t.tol))
     monkeypatch.setattr(cli, "compile_all", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "require_gpu", lambda target: None)
     monkeypatch.setattr(measure_mod, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
     timed = []
     monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
@@ -265,3 +265,17 @@ def test_watchdog_records_a_hung_candidate_and_ends_the_process(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=50)
     assert proc.returncode == 3 and mark.read_text() == "hung" and "not reached" not in proc.stdout
     assert time.monotonic() - start < 30
+
+
+def test_without_a_supported_gpu_the_tuner_says_so_before_compiling(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(cli, "compile_all", lambda *a, **k: pytest.fail("compiled before checking for a GPU"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU of target sm90.*has none; --dry-run and --compile-only"):
+        cli.main(["--stage", "mqa_decode"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake A100")
+    with pytest.raises(SystemExit, match=r"compute capability 9.0\), this one is Fake A100 \(8.0\)"):
+        cli.main(["--stage", "mqa_decode"])

@@ -22,14 +22,12 @@ the same command then goes on with the next candidate.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import contextlib
 import datetime
 import hashlib
-import inspect
+import importlib.util
 import json
 import math
-import multiprocessing
 import os
 import sys
 import threading
@@ -37,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mate import _dispatch  # importing mate registers the stages
+from mate import _dispatch, precompile  # importing mate registers the stages
 from tuning import configfile
 from tuning.stages import TUNABLES, candidates, rel_error
 
@@ -67,7 +65,7 @@ class Cache:
         self.path = path
         self.data = json.loads(path.read_text()) if path.is_file() else {}
         # A compile result holds for the kernel source it was built from, a timing also for its shapes.
-        source = hashlib.sha256(Path(inspect.getsourcefile(_dispatch.STAGES[stage].build)).read_bytes())
+        source = hashlib.sha256(Path(importlib.util.find_spec(_dispatch.STAGES[stage].module).origin).read_bytes())
         self.source = source.hexdigest()[:16]
         source.update(json.dumps(shapes, sort_keys=True).encode())
         self.timed = source.hexdigest()[:16]
@@ -86,25 +84,27 @@ class Cache:
         os.replace(tmp, self.path)
 
 
-def _compile(stage: str, key: str, target: str, tiles: dict) -> str | None:
-    """Compile one candidate (in a worker process); the error's last line, or None."""
-    try:
-        _dispatch.compile_program(stage, _dispatch.parse_key(key), target, tiles)
-        return None
-    except Exception as e:  # a candidate that does not compile is reported, never chosen
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-
-
 def compile_all(jobs: list[tuple[str, dict]], stage: str, target: str, cache: Cache, workers: int, progress) -> None:
-    todo = [(key, tiles) for key, tiles in jobs if cache.get("compile", key, tiles) is None]
+    todo = [(stage, key, tiles, True) for key, tiles in jobs if cache.get("compile", key, tiles) is None]
     if not todo:
         return
-    # spawn: TileLang and torch hold threads that a forked child would inherit broken.
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_compile, stage, key, target, tiles): (key, tiles) for key, tiles in todo}
-        for f in progress(cf.as_completed(futures), total=len(futures), desc=f"compile {stage}", unit="cand"):
-            key, tiles = futures[f]
-            cache.put("compile", key, tiles, {"error": f.result()})
+    for (_, key, tiles, _), (_, error) in progress(precompile.build_all(todo, target, workers), total=len(todo),
+                                                   desc=f"compile {stage}", unit="cand"):
+        cache.put("compile", key, tiles, {"error": error})
+
+
+def require_gpu(target: str) -> None:
+    """Exit at once, before any compile, unless a GPU of `target` is here."""
+    import torch
+
+    want = _dispatch.TARGETS[target][0]
+    if not torch.cuda.is_available():
+        raise SystemExit(f"mate-tune: timing needs a CUDA GPU of target {target} (compute capability {want[0]}.{want[1]}) "
+                         "and this machine has none; --dry-run and --compile-only run without one")
+    have = torch.cuda.get_device_capability()
+    if have != want:
+        raise SystemExit(f"mate-tune: timing needs a GPU of target {target} (compute capability {want[0]}.{want[1]}), "
+                         f"this one is {torch.cuda.get_device_name()} ({have[0]}.{have[1]}); --dry-run and --compile-only run without one")
 
 
 def workloads(tunable, spec: dict, shapes: list[dict]) -> list[tuple]:
@@ -205,6 +205,8 @@ def main(argv=None) -> int:
             for t, why in pruned:
                 print(f"  - {tiles_str(t)}: {why}")
         return 0
+    if not args.compile_only:
+        require_gpu(args.target)
 
     from tqdm import tqdm
 
@@ -221,8 +223,6 @@ def main(argv=None) -> int:
 
     from tuning.measure import environment
 
-    if not torch.cuda.is_available():
-        raise SystemExit("mate-tune: timing needs a CUDA GPU (--dry-run and --compile-only do not)")
     env = environment()
     rows, updates = [], {}
     for key, (cands, _, current) in plan.items():

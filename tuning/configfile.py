@@ -1,56 +1,44 @@
 """Reading, patching and merging tile config files (`configs/<target>.yaml`).
 
-The merge edits the text line by line instead of dumping the parsed YAML, so
-the hand-written comments, the stage and key order and the one-line flow
-mappings survive; the result is parsed back and must equal the intended data.
+The merge replaces only the lines of the entries it updates: ruamel.yaml finds
+them (its round-trip parser keeps each key's line) and renders the new ones as
+one-line flow mappings. Everything else keeps its bytes: the hand-written
+comments, the stage and key order, and entries someone broke over two lines
+(a full ruamel dump would join those). The result is parsed back and must
+equal the intended data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import io
 import os
-import re
 import tempfile
 from pathlib import Path
 
 import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
 from mate import _dispatch
 
-_TOP_KEY = re.compile(r"^([A-Za-z_][\w.-]*)\s*:\s*(#.*)?$")
-_ENTRY = re.compile(r"^(\s+)(\S[^:]*?)\s*:\s*\{")
+
+def _yaml() -> YAML:
+    y = YAML()  # round-trip: keeps line numbers, comments and flow style
+    y.width = 1 << 16  # an entry is one line, however long its note
+    return y
 
 
 def render(stage: str, entry: dict) -> str:
-    """An entry as a flow mapping: the stage's tile parameters in order, then `measured`."""
-    params = _dispatch.STAGES[stage].params
-    parts = [f"{p}: {entry[p]}" for p in params]
+    """An entry as a flow mapping: the stage's tile parameters in order, then `measured` (double-quoted)."""
+    m = CommentedMap((p, entry[p]) for p in _dispatch.STAGES[stage].params)
     if entry.get("measured"):
-        parts.append(f"measured: {json.dumps(entry['measured'])}")
-    return "{" + ", ".join(parts) + "}"
-
-
-def _entry_end(lines: list[str], start: int) -> int:
-    """The index after the last line of the flow mapping that starts on line `start`."""
-    depth, quoted = 0, False
-    for i in range(start, len(lines)):
-        line = lines[i]
-        j = line.index("{") if i == start else 0
-        while j < len(line):
-            c = line[j]
-            if c == '"' and (j == 0 or line[j - 1] != "\\"):
-                quoted = not quoted
-            elif not quoted and c == "{":
-                depth += 1
-            elif not quoted and c == "}":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            elif not quoted and c == "#":
-                break
-            j += 1
-    raise ValueError(f"unterminated mapping at line {start + 1}")
+        m["measured"] = DoubleQuotedScalarString(entry["measured"])
+    m.fa.set_flow_style()
+    buf = io.StringIO()
+    _yaml().dump({"x": m}, buf)
+    return buf.getvalue().strip()[len("x: "):]
 
 
 def merge(text: str, stage: str, updates: dict[str, dict]) -> str:
@@ -61,30 +49,28 @@ def merge(text: str, stage: str, updates: dict[str, dict]) -> str:
     parse back to the intended config.
     """
     lines = text.splitlines()
-    begin = next((i for i, l in enumerate(lines) if (m := _TOP_KEY.match(l)) and m.group(1) == stage), None)
-    if begin is None:
+    doc = _yaml().load(text) or CommentedMap()
+    entries = doc.get(stage)
+    if entries is None:
         lines += ["", f"{stage}:"]
-        begin = len(lines) - 1
-    end = next((i for i in range(begin + 1, len(lines)) if lines[i][:1] not in ("", " ", "#")), len(lines))
-    spans, i = {}, begin + 1
-    while i < end:
-        m = _ENTRY.match(lines[i])
-        if m:
-            stop = _entry_end(lines, i)
-            spans[m.group(2).strip("'\"")] = (i, stop, m.group(1))
-            i = stop
-        else:
-            i += 1
-    last = max((s[1] for s in spans.values()), default=begin + 1)
-    indent = next(iter(spans.values()))[2] if spans else "  "
-    new_keys = [k for k in updates if k not in spans]
+        spans, last, indent = {}, len(lines), "  "
+    else:
+        # Each entry's lines: from its key to its last value (0-based line numbers, end exclusive).
+        spans = {}
+        for key, entry in entries.items():
+            if not isinstance(entry, CommentedMap) or not entry or not entry.fa.flow_style():
+                raise ValueError(f"{stage}.{key} is not a flow mapping ({{...}}); the file's layout is not one this merge knows")
+            spans[str(key)] = (entries.lc.key(key)[0], entry.lc.value(list(entry)[-1])[0] + 1)
+        last = max(b for _, b in spans.values())
+        indent = " " * entries.lc.key(next(iter(entries)))[1]
+    rendered = {k: f"{indent}{k}: {render(stage, e)}" for k, e in updates.items()}
     # Bottom-up, so the line numbers of the spans still to edit stay valid.
     for key in sorted((k for k in updates if k in spans), key=lambda k: -spans[k][0]):
-        a, b, ind = spans[key]
-        lines[a:b] = [f"{ind}{key}: {render(stage, updates[key])}"]
+        a, b = spans[key]
+        lines[a:b] = [rendered[key]]
         if a < last:
             last -= b - a - 1
-    lines[last:last] = [f"{indent}{k}: {render(stage, updates[k])}" for k in new_keys]
+    lines[last:last] = [rendered[k] for k in updates if k not in spans]
     out = "\n".join(lines) + "\n"
 
     expected = yaml.safe_load(text) or {}

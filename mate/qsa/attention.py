@@ -39,7 +39,7 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.qsa import merge, reference
-from mate.qsa.kernels import sparse as kernels
+kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D
 NATIVE_DIM = 256
@@ -395,7 +395,7 @@ def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact,
 # ---------------------------------------------------------------- native path
 
 ATTENTION = _dispatch.register(
-    _dispatch.Stage("qsa_attention", kernels.sparse_attention, ("head_tile", "num_stages"), kernels.PASS_CONFIGS)
+    _dispatch.Stage("qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention", ("head_tile", "num_stages"), "PASS_CONFIGS")
 )
 MAX_SPLITS = 64
 

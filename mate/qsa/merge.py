@@ -18,9 +18,9 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import reference
-from mate.qsa.kernels import sparse as kernels
+kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
-STAGE = _dispatch.register(_dispatch.Stage("qsa_merge", kernels.merge, ("threads",)))
+STAGE = _dispatch.register(_dispatch.Stage("qsa_merge", "mate.qsa.kernels.sparse", "merge", ("threads",)))
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -25,7 +25,6 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.swa import reference
-from mate.swa.kernels import gqa as kernels
 
 NATIVE_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
@@ -34,7 +33,7 @@ LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30
 
 STAGE = _dispatch.register(
-    _dispatch.Stage("gqa_fwd", kernels.gqa_fwd, ("block_m", "block_n", "threads", "num_stages", "mma_depth"))
+    _dispatch.Stage("gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd", ("block_m", "block_n", "threads", "num_stages", "mma_depth"))
 )
 
 

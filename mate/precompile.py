@@ -1,0 +1,104 @@
+"""mate-precompile: compile the tile config's kernels into TileLang's disk cache, in parallel.
+
+Without it, the first native call of each specialization compiles its kernel
+in that process (seconds each; `configs/sm90.yaml` has about 50). Run it on
+the GPU host before serving, or on a CPU machine with nvcc and ship the cache
+folder (`TILELANG_CACHE_DIR`, default `~/.tilelang/cache`): kernels compiled
+there load on the GPU host from the same folder.
+
+  mate-precompile [--target sm90] [--stages gqa_fwd ...] [--dtypes bfloat16 ...] [--jobs N]
+
+The same enumeration of config entries and the same worker pool serve the CI
+compile check (tests/test_compile.py) and mate-tune's compile phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import multiprocessing
+import os
+import sys
+import time
+
+from mate import _dispatch  # importing mate registers the stages (in a spawned worker too)
+
+
+def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, str]]:
+    """(stage, key) of every entry of the target's config, or of the named stages / dtypes only.
+
+    An entry is of a dtype when a `*dtype` field of its key names it (`dtype=`, the merge's `odtype=`).
+    """
+    config = _dispatch.load_config(target)
+    for name in stages or ():
+        if name not in config:
+            raise ValueError(f"unknown stage {name!r} for {target}; its config has: {', '.join(config)}")
+    out = []
+    for stage, keys in config.items():
+        if stages and stage not in stages:
+            continue
+        for key in keys:
+            named = {v for k, v in _dispatch.parse_key(key).items() if k.endswith("dtype")}
+            if not dtypes or named & set(dtypes):
+                out.append((stage, key))
+    return out
+
+
+def build(stage: str, key: str, target: str, tiles: dict | None = None, full: bool = True) -> tuple[str | None, str | None]:
+    """Compile one entry (or only lower it: `full=False`, no nvcc, nothing cached): (CUDA source, None) or (None, error).
+
+    `tiles` replaces the config's tile values (mate-tune's candidates). The error is its
+    exception's type and last line: a candidate that does not compile is reported, never raised.
+    """
+    try:
+        spec = _dispatch.parse_key(key)
+        if full:
+            return _dispatch.compile_program(stage, spec, target, tiles).get_kernel_source(), None
+        return _dispatch.lower_program(stage, spec, target, tiles), None
+    except Exception as e:
+        text = str(e).strip()
+        return None, f"{type(e).__name__}: {text.splitlines()[-1][:300] if text else ''}"
+
+
+def build_all(jobs: list[tuple], target: str, workers: int):
+    """Run `build` on each job (stage, key, tiles, full) in `workers` processes; yield (job, (source, error)) as each ends."""
+    if workers <= 1:
+        for job in jobs:
+            yield job, build(job[0], job[1], target, job[2], job[3])
+        return
+    # spawn: TileLang and torch hold threads that a forked child would inherit broken.
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(build, stage, key, target, tiles, full): (stage, key, tiles, full) for stage, key, tiles, full in jobs}
+        for f in cf.as_completed(futures):
+            yield futures[f], f.result()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mate-precompile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="sm90", choices=sorted(_dispatch.TARGETS))
+    ap.add_argument("--stages", nargs="*", help="only these stages (default: every stage of the config)")
+    ap.add_argument("--dtypes", nargs="*", help="only entries of these dtypes, e.g. bfloat16 float16")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile processes (default: one per core)")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    try:
+        todo = entries(args.target, args.stages, args.dtypes)
+    except ValueError as e:
+        raise SystemExit(f"mate-precompile: {e}") from None
+    if not todo:
+        raise SystemExit("mate-precompile: no config entry matches --stages / --dtypes")
+    start, failed = time.monotonic(), []
+    bar = tqdm(build_all([(s, k, None, True) for s, k in todo], args.target, args.jobs), total=len(todo), desc=f"compile {args.target}", unit="kernel")
+    for (stage, key, _, _), (_, error) in bar:
+        if error:
+            failed.append(f"{stage}[{key}]: {error}")
+            bar.write(f"FAILED {failed[-1]}")
+    cache = os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache")
+    print(f"compiled {len(todo) - len(failed)} of {len(todo)} kernels for {args.target} in {time.monotonic() - start:.0f} s "
+          f"with {args.jobs} processes into {cache}" + (f"; {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

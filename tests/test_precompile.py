@@ -1,0 +1,56 @@
+"""mate-precompile on the CPU: which entries it takes, and how it reports (the compiles themselves: test_compile.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mate import precompile
+
+ENTRIES = precompile.entries("sm90")
+
+
+def test_entries_filter_by_stage_and_dtype():
+    assert {s for s, _ in precompile.entries("sm90", ["gqa_fwd", "qsa_merge"])} == {"gqa_fwd", "qsa_merge"}
+    half = precompile.entries("sm90", None, ["float16"])
+    assert half and all("dtype=float16" in k for _, k in half)  # dtype= or the merge's odtype=
+    assert {s for s, _ in half} == {s for s, _ in ENTRIES}
+    assert len(precompile.entries("sm90", None, ["float16", "bfloat16", "float32"])) == len(ENTRIES)
+    with pytest.raises(ValueError, match="unknown stage 'nope'"):
+        precompile.entries("sm90", ["nope"])
+
+
+def test_command_compiles_the_selection_and_reports_failures(monkeypatch, capsys):
+    seen = []
+
+    def fake_build_all(jobs, target, workers):
+        seen.append((jobs, target, workers))
+        for i, job in enumerate(jobs):
+            yield job, (None, "RuntimeError: nvcc said no") if i == 0 else ("src", None)
+
+    monkeypatch.setattr(precompile, "build_all", fake_build_all)
+    assert precompile.main(["--stages", "mqa_decode", "--dtypes", "bfloat16", "--jobs", "3"]) == 1
+    jobs, target, workers = seen[0]
+    want = [(s, k, None, True) for s, k in ENTRIES if s == "mqa_decode" and "dtype=bfloat16" in k]
+    assert jobs == want and target == "sm90" and workers == 3
+    out = capsys.readouterr()
+    assert f"compiled {len(want) - 1} of {len(want)} kernels" in out.out and "1 failed" in out.out
+    assert "FAILED mqa_decode" in out.out + out.err and "nvcc said no" in out.out + out.err
+    with pytest.raises(SystemExit, match="no config entry matches"):
+        precompile.main(["--stages", "mqa_decode", "--dtypes", "float64"])
+    with pytest.raises(SystemExit, match="unknown stage"):
+        precompile.main(["--stages", "nope"])
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_command_fills_the_cache_folder(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "mate.precompile", "--stages", "qsa_merge", "--dtypes", "float32", "--jobs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n = len(precompile.entries("sm90", ["qsa_merge"], ["float32"]))  # float32 partials or outputs: 5 small kernels
+    assert f"compiled {n} of {n} kernels for sm90" in proc.stdout
+    assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing written to TILELANG_CACHE_DIR"
