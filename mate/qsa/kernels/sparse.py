@@ -348,7 +348,47 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
     return main
 
 
-MERGE_UNROLL = 16
+@T.macro
+def _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, unroll, odtype):
+    """One (row, head) of the merge, `unroll` splits a step: their loads go out together (predicated on the
+    split count only) and are masked afterwards; a load under the -inf test of the one before it waited
+    for it (16 splits of one row: 20.4 us, 15.4 us this way, H200). st holds the running max, the sum
+    of exponentials and one output element's accumulator."""
+    st[0] = NEG_INF
+    for s0 in T.serial(T.ceildiv(S, unroll)):
+        for j in T.unroll(unroll):
+            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
+        for j in T.unroll(unroll):
+            st[0] = T.max(st[0], ls[j])
+    st[1] = 0
+    for s0 in T.serial(T.ceildiv(S, unroll)):
+        for j in T.unroll(unroll):
+            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
+        for j in T.unroll(unroll):
+            st[1] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]), 0)
+    gated = (flags & HAS_GATE) != 0
+    for i in T.serial(T.ceildiv(D, threads)):
+        d = T.min(i * threads + tx, D - 1)
+        st[2] = 0
+        for s0 in T.serial(T.ceildiv(S, unroll)):
+            for j in T.unroll(unroll):
+                sj = T.min(s0 * unroll + j, S - 1)
+                ls[j] = T.if_then_else(s0 * unroll + j < S, PL[sj, r, h], NEG_INF)
+                ps[j] = T.if_then_else(s0 * unroll + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
+            for j in T.unroll(unroll):
+                # a split without keys (-inf) may hold anything, NaN included: select, never multiply
+                st[2] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]) * ps[j], 0)
+        if i * threads + tx < D:
+            o = T.if_then_else(st[1] > 0, st[2] / st[1], 0)
+            gv = T.if_then_else(gated, G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(d, DG - 1)], 0)
+            O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
+    if ((flags & WRITE_LSE) != 0) & (tx == 0):
+        LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
+
+
+# Splits a step: 16 for many splits (one round trip for 16), 4 for few, where the unused slots of a 16-wide
+# step cost instructions that many rows make visible (4 splits x 256 rows: 40 us at 4, 78 us at 16).
+MERGE_UNROLL = (4, 16)
 
 
 def merge(pdtype, odtype, threads):
@@ -363,6 +403,7 @@ def merge(pdtype, odtype, threads):
     sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, sor, soh, sod, smr, smh = T.dynamic(
         "sps spr sph spd sls slr slh sgr sgh sgd sor soh sod smr smh", "int64"
     )
+    few, many = MERGE_UNROLL
 
     @T.prim_func
     def main(
@@ -377,42 +418,12 @@ def merge(pdtype, odtype, threads):
             r = bx // H
             h = bx % H
             tx = T.get_thread_binding()
-            ls = T.alloc_local((MERGE_UNROLL,), "float32")
-            ps = T.alloc_local((MERGE_UNROLL,), "float32")
-            m = T.alloc_var("float32")
-            total = T.alloc_var("float32")
-            # The loads of MERGE_UNROLL splits go out together (predicated on the split count only) and are
-            # masked afterwards: a load under the -inf test of the one before it waited for it (20 us at 16 splits).
-            m = NEG_INF
-            for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
-                for j in T.unroll(MERGE_UNROLL):
-                    ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[T.min(s0 * MERGE_UNROLL + j, S - 1), r, h], NEG_INF)
-                for j in T.unroll(MERGE_UNROLL):
-                    m = T.max(m, ls[j])
-            total = 0
-            for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
-                for j in T.unroll(MERGE_UNROLL):
-                    ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[T.min(s0 * MERGE_UNROLL + j, S - 1), r, h], NEG_INF)
-                for j in T.unroll(MERGE_UNROLL):
-                    total += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - m), 0)
-            gated = (flags & HAS_GATE) != 0
-            for i in T.serial(T.ceildiv(D, threads)):
-                d = T.min(i * threads + tx, D - 1)
-                acc = T.alloc_var("float32")
-                acc = 0
-                for s0 in T.serial(T.ceildiv(S, MERGE_UNROLL)):
-                    for j in T.unroll(MERGE_UNROLL):
-                        sj = T.min(s0 * MERGE_UNROLL + j, S - 1)
-                        ls[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, PL[sj, r, h], NEG_INF)
-                        ps[j] = T.if_then_else(s0 * MERGE_UNROLL + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
-                    for j in T.unroll(MERGE_UNROLL):
-                        # a split without keys (-inf) may hold anything, NaN included: select, never multiply
-                        acc += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - m) * ps[j], 0)
-                if i * threads + tx < D:
-                    o = T.if_then_else(total > 0, acc / total, 0)
-                    gv = T.if_then_else(gated, G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(d, DG - 1)], 0)
-                    O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
-            if ((flags & WRITE_LSE) != 0) & (tx == 0):
-                LSE[r, h] = T.if_then_else(total > 0, m + T.log(total), NEG_INF)
+            ls = T.alloc_local((many,), "float32")
+            ps = T.alloc_local((many,), "float32")
+            st = T.alloc_local((3,), "float32")
+            if S <= 2 * few:
+                _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, few, odtype)
+            else:
+                _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, many, odtype)
 
     return main
