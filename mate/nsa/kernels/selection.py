@@ -53,7 +53,9 @@ program replaced, at the same tiles: 0.84 to 1.00 of its time
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
+from mate._tl import (
+    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+)
 
 NEG_INF = -T.infinity("float32")
 LOG2E = 1.4426950408889634
@@ -148,12 +150,7 @@ def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, ro
         n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
         S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
     softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
-    T.copy(S, P)
-    T.copy(P, Ps)
-    T.sync_threads(CONSUMER_BARRIER, threads)  # P is in shared memory
-    fence()
-    for d, h in T.Parallel(dim, head_tile):
-        acc[d, h] *= alpha[h]
+    publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
     T.barrier_wait(v_full[st], (it // num_stages) & 1)
     fence()
     _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
@@ -176,7 +173,7 @@ def _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, h
             O[bb, bm, h0 + h, d] = Ks[0, h, d]
     for h in T.Parallel(head_tile):
         if h < group_heads:
-            LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+            LSE[bb, h0 + h, bm] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
@@ -222,14 +219,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             v_full = T.alloc_barrier([1] * num_stages)
             k_empty = T.alloc_barrier([threads] * num_stages)
             v_empty = T.alloc_barrier([threads] * num_stages)
-            S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
-            rowsum = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
-            P = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
-            acc = T.alloc_fragment((dim, head_tile), "float32")
-            m_cur = T.alloc_fragment((head_tile,), "float32")
-            m_prev = T.alloc_fragment((head_tile,), "float32")
-            alpha = T.alloc_fragment((head_tile,), "float32")
-            l_sum = T.alloc_fragment((head_tile,), "float32")
+            S, rowsum, P, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE_KEYS, head_tile, dim, dtype)
             # The wrapper checks the layout rule on Q and O; telling the compiler gives 16-byte accesses.
             T.assume(sqb % 8 == 0)
             T.assume(sqm % 8 == 0)

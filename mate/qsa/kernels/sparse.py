@@ -55,7 +55,9 @@ owns a contiguous share of the list and writes FP32 partials to a workspace;
 import tilelang.language as T
 from tvm import tirx
 
-from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
+from mate._tl import (
+    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+)
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
@@ -244,12 +246,7 @@ def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, 
     for k, h in T.Parallel(TILE, head_tile):
         S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
     softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
-    T.copy(S, Pf)
-    T.copy(Pf, Ps)
-    T.sync_threads(CONSUMER_BARRIER, 128)  # P is in shared memory
-    fence()
-    for d, h in T.Parallel(DIM, head_tile):
-        acc[d, h] *= alpha[h]
+    publish_p_keys_as_m(S, Pf, Ps, acc, alpha, CONSUMER_BARRIER, 128, DIM, head_tile)
     T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
     fence()
     T.barrier_arrive(empty[st])
@@ -263,7 +260,7 @@ def _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_ti
             O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
     for h in T.Parallel(head_tile):
         if h < group:
-            LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+            LSE[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 @T.macro
@@ -278,7 +275,7 @@ def _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG
     if (flags & WRITE_LSE) != 0:
         for h in T.Parallel(head_tile):
             if h < group:
-                LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 def sparse_attention(dtype, split, wide, head_tile, num_stages):
@@ -334,14 +331,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             counts = T.alloc_shared((2,), "int32", scope="shared")
             full = T.alloc_barrier([2 * 128] * num_stages)
             empty = T.alloc_barrier([128] * num_stages)
-            S = T.alloc_fragment((TILE, head_tile), "float32")
-            rowsum = T.alloc_fragment((TILE, head_tile), "float32")
-            Pf = T.alloc_fragment((TILE, head_tile), dtype)
-            acc = T.alloc_fragment((DIM, head_tile), "float32")
-            m_cur = T.alloc_fragment((head_tile,), "float32")
-            m_prev = T.alloc_fragment((head_tile,), "float32")
-            alpha = T.alloc_fragment((head_tile,), "float32")
-            l_sum = T.alloc_fragment((head_tile,), "float32")
+            S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
             local = T.alloc_var("int32")
             nrows = T.alloc_var("int32")
