@@ -26,3 +26,39 @@ def softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, tile, he
     for k, h in T.Parallel(tile, head_tile):
         S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2)
         rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
+
+
+NEG_INF = -T.infinity("float32")
+
+
+def alloc_softmax_keys_as_m(tile, head_tile, dim, dtype):
+    """The consumer's state of a keys-as-M attention: scores S and the per-thread row sums [tile, head_tile]
+    (FP32), P in the input dtype, the output O^T [dim, head_tile] (FP32), and per head the running max,
+    its previous value, the rescale and the final sum."""
+    S = T.alloc_fragment((tile, head_tile), "float32")
+    rowsum = T.alloc_fragment((tile, head_tile), "float32")
+    P = T.alloc_fragment((tile, head_tile), dtype)
+    acc = T.alloc_fragment((dim, head_tile), "float32")
+    m_cur = T.alloc_fragment((head_tile,), "float32")
+    m_prev = T.alloc_fragment((head_tile,), "float32")
+    alpha = T.alloc_fragment((head_tile,), "float32")
+    l_sum = T.alloc_fragment((head_tile,), "float32")
+    return S, rowsum, P, acc, m_cur, m_prev, alpha, l_sum
+
+
+@T.macro
+def publish_p_keys_as_m(S, P, Ps, acc, alpha, barrier, threads, dim, head_tile):
+    """P (the input dtype) goes to shared memory, where the PV wgmma reads it, and the output is rescaled
+    for this tile's running max."""
+    T.copy(S, P)
+    T.copy(P, Ps)
+    T.sync_threads(barrier, threads)  # P is in shared memory
+    fence()
+    for d, h in T.Parallel(dim, head_tile):
+        acc[d, h] *= alpha[h]
+
+
+def lse_keys_as_m(m_cur, l_sum, h, scale):
+    """Head h's log-sum-exp (natural log) from the running max of the unscaled scores and the sum; -inf when
+    nothing was visible."""
+    return T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)

@@ -53,7 +53,9 @@ program replaced, at the same tiles: 0.84 to 1.00 of its time
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
+from mate._tl import (
+    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+)
 
 NEG_INF = -T.infinity("float32")
 LOG2E = 1.4426950408889634
@@ -69,6 +71,111 @@ CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own 
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
 
 
+@T.macro
+def _tile_copy(src, dst, bar, st, b, g, n0, n1, c0, block_size, per_tile):
+    # One 64-column panel of a tile by TMA, counted on `bar` (the leader lane expects the bytes).
+    T.tma_copy(src[b, n0 : n0 + block_size, g, c0 : c0 + 64], dst[st, 0:block_size, c0 : c0 + 64], barrier=bar[st],
+               leader_scope_threads=32)
+    if per_tile == 2:
+        T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
+                   barrier=bar[st], leader_scope_threads=32)
+
+
+@T.macro
+def _tile_load(src, dst, empty, full, st, phase, b, g, n0, n1, block_size, per_tile, dim):
+    # Wait until the consumer has freed stage `st`, load the tile (a 64-column panel or two), and
+    # arrive once on its full barrier.
+    T.barrier_wait(empty[st], phase ^ 1)
+    _tile_copy(src, dst, full, st, b, g, n0, n1, 0, block_size, per_tile)
+    if dim == 128:
+        _tile_copy(src, dst, full, st, b, g, n0, n1, 64, block_size, per_tile)
+    if T.shuffle_elect(32):
+        T.barrier_arrive(full[st])
+
+
+@T.macro
+def _compact_blocks(BI, blocks, used, bb, bm, bg, slots, last_block):
+    """The used entries of this row, in slot order, into `blocks`, their count into used[0]."""
+    # Entry t goes to the count of used entries before it, which each thread takes from the indices
+    # themselves (L1 hits, the same addresses across the CTA), four loads in flight. Counting from
+    # shared flags instead needs a 128-thread barrier first, after which compute-sanitizer's
+    # racecheck reports a hazard on `used` across the CTA barrier below (a false positive by
+    # the SASS: STS, BAR.SYNC 0, LDS).
+    for t in T.Parallel(MAX_SLOTS):
+        rank = T.alloc_var("int32")
+        rank = 0
+        for u4 in T.serial(T.ceildiv(slots, 4)):
+            for j in T.unroll(4):
+                u = u4 * 4 + j
+                eu = BI[bb, bm, bg, T.min(u, slots - 1)]
+                rank += T.if_then_else((u < T.min(t, slots)) & (eu >= 0) & (eu <= last_block), 1, 0)
+        e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
+        keep = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
+        if keep != 0:
+            blocks[rank] = e
+        if t == MAX_SLOTS - 1:
+            used[0] = rank + keep
+
+
+@T.macro
+def _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
+    # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the rows past the
+    # query (a causally future token of the block, or garbage in a cache) and a masked repeat are
+    # zeroed first. Only a tile that holds such keys pays (the CTA's last one or two, typically):
+    # generic stores, the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
+    last0 = blocks[it * per_tile] * block_size + block_size - 1
+    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
+    if (last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))):
+        for k, d in T.Parallel(TILE_KEYS, dim):
+            slot = it * per_tile + k // block_size
+            n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+            if (slot >= n_used) | (n > pos):
+                Vs[st, k, d] = T.cast(0, dtype)
+        T.fence_proxy_async()
+        T.sync_threads(CONSUMER_BARRIER, threads)
+
+
+@T.macro
+def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev, alpha,
+                 it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
+    """One tile of the consumer. K is released right after S^T = K Q^T, so the next K load overlaps the softmax."""
+    st = it % num_stages
+    T.barrier_wait(k_full[st], (it // num_stages) & 1)
+    fence()
+    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+    fence()
+    T.barrier_arrive(k_empty[st])
+    for k, h in T.Parallel(TILE_KEYS, head_tile):
+        slot = it * per_tile + k // block_size
+        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+        S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
+    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
+    publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
+    T.barrier_wait(v_full[st], (it // num_stages) & 1)
+    fence()
+    _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
+    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
+    fence()
+    T.barrier_arrive(v_empty[st])
+
+
+@T.macro
+def _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, head_tile, threads):
+    """Nothing visible: l_sum is 0, the output 0 and the LSE -inf."""
+    # The output goes through the first K stage (every load has landed and been read): a buffer of
+    # its own would cost the third CTA per SM.
+    for d, h in T.Parallel(dim, head_tile):
+        Ks[0, h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+    T.sync_threads(CONSUMER_BARRIER, threads)
+    fence()
+    for h, d in T.Parallel(head_tile, dim):
+        if h < group_heads:
+            O[bb, bm, h0 + h, d] = Ks[0, h, d]
+    for h in T.Parallel(head_tile):
+        if h < group_heads:
+            LSE[bb, h0 + h, bm] = lse_keys_as_m(m_cur, l_sum, h, scale)
+
+
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
     assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
@@ -77,26 +184,6 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
         "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
     )
-
-    @T.macro
-    def tile_copy(src, dst, bar, st, b, g, n0, n1, c0):
-        # One 64-column panel of a tile by TMA, counted on `bar` (the leader lane expects the bytes).
-        T.tma_copy(src[b, n0 : n0 + block_size, g, c0 : c0 + 64], dst[st, 0:block_size, c0 : c0 + 64], barrier=bar[st],
-                   leader_scope_threads=32)
-        if per_tile == 2:
-            T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
-                       barrier=bar[st], leader_scope_threads=32)
-
-    @T.macro
-    def tile_load(src, dst, empty, full, st, phase, b, g, n0, n1):
-        # Wait until the consumer has freed stage `st`, load the tile (a 64-column panel or two), and
-        # arrive once on its full barrier.
-        T.barrier_wait(empty[st], phase ^ 1)
-        tile_copy(src, dst, full, st, b, g, n0, n1, 0)
-        if dim == 128:
-            tile_copy(src, dst, full, st, b, g, n0, n1, 64)
-        if T.shuffle_elect(32):
-            T.barrier_arrive(full[st])
 
     @T.prim_func
     def main(
@@ -132,14 +219,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             v_full = T.alloc_barrier([1] * num_stages)
             k_empty = T.alloc_barrier([threads] * num_stages)
             v_empty = T.alloc_barrier([threads] * num_stages)
-            S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
-            rowsum = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
-            P = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
-            acc = T.alloc_fragment((dim, head_tile), "float32")
-            m_cur = T.alloc_fragment((head_tile,), "float32")
-            m_prev = T.alloc_fragment((head_tile,), "float32")
-            alpha = T.alloc_fragment((head_tile,), "float32")
-            l_sum = T.alloc_fragment((head_tile,), "float32")
+            S, rowsum, P, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE_KEYS, head_tile, dim, dtype)
             # The wrapper checks the layout rule on Q and O; telling the compiler gives 16-byte accesses.
             T.assume(sqb % 8 == 0)
             T.assume(sqm % 8 == 0)
@@ -158,26 +238,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             # (padding up to head_tile) are zero rows, never stored.
             for h, d in T.Parallel(head_tile, dim):
                 Qs[h, d] = T.if_then_else(h < group_heads, Q[bb, bm, h0 + h, d], T.cast(0, dtype))
-            # Compact the used entries of this row, in slot order, into `blocks`: entry t goes to the
-            # count of used entries before it, which each thread takes from the indices themselves
-            # (L1 hits, the same addresses across the CTA), four loads in flight. Counting from
-            # shared flags instead needs a 128-thread barrier first, after which compute-sanitizer's
-            # racecheck reports a hazard on `used` across the CTA barrier below (a false positive by
-            # the SASS: STS, BAR.SYNC 0, LDS).
-            for t in T.Parallel(MAX_SLOTS):
-                rank = T.alloc_var("int32")
-                rank = 0
-                for u4 in T.serial(T.ceildiv(slots, 4)):
-                    for j in T.unroll(4):
-                        u = u4 * 4 + j
-                        eu = BI[bb, bm, bg, T.min(u, slots - 1)]
-                        rank += T.if_then_else((u < T.min(t, slots)) & (eu >= 0) & (eu <= last_block), 1, 0)
-                e = T.if_then_else(t < slots, BI[bb, bm, bg, t], -1)
-                keep = T.if_then_else((e >= 0) & (e <= last_block), 1, 0)
-                if keep != 0:
-                    blocks[rank] = e
-                if t == MAX_SLOTS - 1:
-                    used[0] = rank + keep
+            _compact_blocks(BI, blocks, used, bb, bm, bg, slots, last_block)
             T.sync_threads()
             fence()
             n_used = used[0]
@@ -194,65 +255,17 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                         # block pairs with a masked repeat of a valid one).
                         n0 = blocks[it * per_tile] * block_size
                         n1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
-                        tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1)
-                        tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1)
+                        _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
+                        _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
             else:
                 # ---------------- consumer: S^T = K Q^T, online softmax, O^T += V^T P^T
                 T.fill(acc, 0)
                 T.fill(rowsum, 0)
                 T.fill(m_cur, NEG_INF)
                 for it in T.serial(n_tiles):
-                    st = it % num_stages
-                    T.barrier_wait(k_full[st], (it // num_stages) & 1)
-                    fence()
-                    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
-                    fence()
-                    T.barrier_arrive(k_empty[st])
-                    for k, h in T.Parallel(TILE_KEYS, head_tile):
-                        slot = it * per_tile + k // block_size
-                        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
-                        S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
-                    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
-                    T.copy(S, P)
-                    T.copy(P, Ps)
-                    T.sync_threads(CONSUMER_BARRIER, threads)  # P is in shared memory
-                    fence()
-                    for d, h in T.Parallel(dim, head_tile):
-                        acc[d, h] *= alpha[h]
-                    T.barrier_wait(v_full[st], (it // num_stages) & 1)
-                    fence()
-                    # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the
-                    # rows past the query (a causally future token of the block, or garbage in a
-                    # cache) and a masked repeat are zeroed first. Only a tile that holds such keys
-                    # pays (the CTA's last one or two, typically): generic stores, the proxy fence
-                    # that orders them before the wgmma's reads, and a consumer barrier.
-                    last0 = blocks[it * per_tile] * block_size + block_size - 1
-                    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
-                    if (last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))):
-                        for k, d in T.Parallel(TILE_KEYS, dim):
-                            slot = it * per_tile + k // block_size
-                            n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
-                            if (slot >= n_used) | (n > pos):
-                                Vs[st, k, d] = T.cast(0, dtype)
-                        T.fence_proxy_async()
-                        T.sync_threads(CONSUMER_BARRIER, threads)
-                    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
-                    fence()
-                    T.barrier_arrive(v_empty[st])
-
+                    _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev,
+                                 alpha, it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
-                # Nothing visible: l_sum is 0, the output 0 and the LSE -inf. The output goes through
-                # the first K stage (every load has landed and been read): a buffer of its own would
-                # cost the third CTA per SM.
-                for d, h in T.Parallel(dim, head_tile):
-                    Ks[0, h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-                T.sync_threads(CONSUMER_BARRIER, threads)
-                fence()
-                for h, d in T.Parallel(head_tile, dim):
-                    if h < group_heads:
-                        O[bb, bm, h0 + h, d] = Ks[0, h, d]
-                for h in T.Parallel(head_tile):
-                    if h < group_heads:
-                        LSE[bb, h0 + h, bm] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, head_tile, threads)
 
     return main

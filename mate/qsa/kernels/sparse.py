@@ -55,7 +55,9 @@ owns a contiguous share of the list and writes FP32 partials to a workspace;
 import tilelang.language as T
 from tvm import tirx
 
-from mate._tl import FENCE_SOURCE, fence, softmax_step_keys_as_m
+from mate._tl import (
+    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+)
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
@@ -86,6 +88,194 @@ PRODUCER_BARRIER = 3
 NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"  # completion is tracked by the full mbarrier
 
 ROW_PADDED, ROW_CU, ROW_TOKEN_TO_REQ, ROW_PHYSICAL = 0, 1, 2, 3
+
+
+@T.macro
+def _row_request(ROWMAP, counts, b: T.Ref, local: T.Ref, nrows: T.Ref, lo: T.Ref, hi: T.Ref, row, tx, R, row_mode, n_req, q_len, threads):
+    """The row's request b (-1: none), its index `local` in the request and the request's row count."""
+    b = 0
+    local = row
+    nrows = R
+    if row_mode == ROW_PADDED:
+        b = row // q_len
+        local = row % q_len
+        nrows = q_len
+    elif row_mode == ROW_CU:
+        # the last request whose first row is <= row (cu_seqlens_q is nondecreasing)
+        lo = 0
+        hi = n_req
+        for _ in T.serial(31):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                if ROWMAP[mid] <= row:
+                    lo = mid
+                else:
+                    hi = mid
+        b = T.if_then_else((row >= ROWMAP[0]) & (row < ROWMAP[n_req]), lo, -1)
+        local = row - ROWMAP[T.max(b, 0)]
+        nrows = ROWMAP[T.max(b, 0) + 1] - ROWMAP[T.max(b, 0)]
+    elif row_mode == ROW_TOKEN_TO_REQ:
+        # a row's index in its request is the number of earlier rows of that request
+        b = ROWMAP[row]
+        if tx == 0:
+            counts[0] = 0
+            counts[1] = 0
+        T.sync_threads()
+        fence()
+        before = T.alloc_var("int32")
+        total = T.alloc_var("int32")
+        before = 0
+        total = 0
+        for j in T.serial(T.ceildiv(R, threads)):
+            r = j * threads + tx
+            if r < R:
+                if ROWMAP[r] == b:
+                    total += 1
+                    if r < row:
+                        before += 1
+        T.atomic_add(counts[0], before)
+        T.atomic_add(counts[1], total)
+        T.sync_threads()
+        local = counts[0]
+        nrows = counts[1]
+        b = T.if_then_else((b >= 0) & (b < n_req), b, -1)
+
+
+@T.macro
+def _row_keys(SLQ, SLK, QP, b: T.Ref, local: T.Ref, nrows: T.Ref, row, flags, MP, PS):
+    """Which keys the row sees: those of page row bs (paged: of its block table row) below `limit`, and,
+    causally, at or before `pos`; a row that is not `live` sees none."""
+    bs = T.max(b, 0)
+    paged = (flags & PAGED) != 0
+    cap = T.if_then_else(paged, MP * PS, PS)
+    sk = T.if_then_else((flags & HAS_SEQ_LENS_K) != 0, SLK[bs], cap)
+    sq = T.if_then_else((flags & HAS_SEQ_LENS_Q) != 0, SLQ[bs], nrows)
+    live = (b >= 0) & (((flags & HAS_SEQ_LENS_Q) == 0) | (local < sq))
+    pos = T.if_then_else((flags & HAS_POSITIONS) != 0, QP[row], sk - sq + local)
+    limit = T.min(cap, sk)
+    return bs, paged, live, pos, limit
+
+
+@T.macro
+def _list_share(BI, n_slots: T.Ref, block_slots: T.Ref, lo: T.Ref, hi: T.Ref, row, sp, flags, chunk, W, NB):
+    """This CTA's share [first, last) of the row's token list; list slots [0, block_slots) come from block ids."""
+    blocks = (flags & HAS_BLOCKS) != 0
+    n_slots = W
+    block_slots = T.if_then_else(blocks, 4 * NB, 0)
+    if (flags & COMPACT_BLOCKS) != 0:
+        # valid block ids are a prefix of the row: find its end, keep the 3 tail tokens
+        lo = 0
+        hi = NB + 1
+        for _ in T.serial(11):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                if BI[row, mid - 1] >= 0:
+                    lo = mid
+                else:
+                    hi = mid
+        n_slots = 4 * lo + 3
+        block_slots = 4 * lo
+    first = sp * chunk
+    last = T.min(n_slots, first + chunk)
+    n_tiles = T.ceildiv(T.max(last - first, 0), TILE)
+    return blocks, first, last, n_tiles
+
+
+@T.macro
+def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, blocks, NB):
+    """The token ids of this thread's slots of the next DECODE_TILES tiles (-1: none), all loads in flight."""
+    for j in T.unroll(PER_THREAD):
+        s = first + it * TILE + j * 128 + ptx
+        tok[j] = -1
+        if s < last:
+            if s < block_slots:
+                blk = BI[row, s // 4]
+                tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
+            else:
+                # the tail tokens follow the 4 * NB block tokens in token_indices
+                tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+
+
+@T.macro
+def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS):
+    """Each decoded token's (page, slot) in K/V, page -1 for a masked token, published to the producer's shared lists."""
+    for j in T.unroll(PER_THREAD):
+        t = tok[j]
+        ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
+        pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
+        if paged:
+            pg[j] = T.if_then_else(ok, BT[bs, T.max(t, 0) // PS], -1)
+        pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
+    for j in T.unroll(PER_THREAD):
+        tok_page[j * 128 + ptx] = pg[j]  # -1: masked
+        tok_slot[j * 128 + ptx] = T.if_then_else(paged, T.max(tok[j], 0) % PS, T.max(tok[j], 0))
+
+
+@T.macro
+def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype):
+    """Wait for a free stage, then gather tile `it`'s K/V rows into it by cp.async (zero-filled for masked
+    tokens); the full barrier counts their completion and, by each thread's arrival, the valid flags."""
+    st = it % num_stages
+    c = (it % DECODE_TILES) * TILE
+    T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
+    fence()
+    if ptx < TILE:
+        valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
+    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+        Ks[st, k, d] = T.if_then_else(
+            tok_page[c + k] >= 0, K[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
+        )
+    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+        Vs[st, k, d] = T.if_then_else(
+            tok_page[c + k] >= 0, V[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
+        )
+    fence()
+    T.cp_async_barrier_noinc(full[st])
+    T.barrier_arrive(full[st])
+
+
+@T.macro
+def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile):
+    """One tile of the consumer: S^T = K Q^T once the stage has landed, mask, online softmax, O^T += V^T P^T,
+    then hand the stage back."""
+    st = it % num_stages
+    T.barrier_wait(full[st], (it // num_stages) & 1)
+    fence()
+    T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
+    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+    for k, h in T.Parallel(TILE, head_tile):
+        S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
+    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
+    publish_p_keys_as_m(S, Pf, Ps, acc, alpha, CONSUMER_BARRIER, 128, DIM, head_tile)
+    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
+    fence()
+    T.barrier_arrive(empty[st])
+
+
+@T.macro
+def _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile):
+    """split: this share's FP32 partial output and LSE, for `merge`."""
+    for d, h in T.Parallel(DIM, head_tile):
+        if h < group:
+            O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+    for h in T.Parallel(head_tile):
+        if h < group:
+            LSE[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
+
+
+@T.macro
+def _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile):
+    """No split: the output (gated when asked) in the caller's dtype, and the LSE when asked."""
+    gated = (flags & HAS_GATE) != 0
+    for d, h in T.Parallel(DIM, head_tile):
+        if h < group:
+            o = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+            gv = T.if_then_else(gated, G[T.min(row, RG - 1), T.min(h0 + h, HG - 1), T.min(d, DG - 1)], 0)
+            O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
+    if (flags & WRITE_LSE) != 0:
+        for h in T.Parallel(head_tile):
+            if h < group:
+                LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 def sparse_attention(dtype, split, wide, head_tile, num_stages):
@@ -141,14 +331,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             counts = T.alloc_shared((2,), "int32", scope="shared")
             full = T.alloc_barrier([2 * 128] * num_stages)
             empty = T.alloc_barrier([128] * num_stages)
-            S = T.alloc_fragment((TILE, head_tile), "float32")
-            rowsum = T.alloc_fragment((TILE, head_tile), "float32")
-            Pf = T.alloc_fragment((TILE, head_tile), dtype)
-            acc = T.alloc_fragment((DIM, head_tile), "float32")
-            m_cur = T.alloc_fragment((head_tile,), "float32")
-            m_prev = T.alloc_fragment((head_tile,), "float32")
-            alpha = T.alloc_fragment((head_tile,), "float32")
-            l_sum = T.alloc_fragment((head_tile,), "float32")
+            S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
             local = T.alloc_var("int32")
             nrows = T.alloc_var("int32")
@@ -165,138 +348,27 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
 
             group = HQ // HKV
             h0 = kvh * group
-
-            # ---- which request this row belongs to, and where it sits in it
-            b = 0
-            local = row
-            nrows = R
-            if row_mode == ROW_PADDED:
-                b = row // q_len
-                local = row % q_len
-                nrows = q_len
-            elif row_mode == ROW_CU:
-                # the last request whose first row is <= row (cu_seqlens_q is nondecreasing)
-                lo = 0
-                hi = n_req
-                for _ in T.serial(31):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if ROWMAP[mid] <= row:
-                            lo = mid
-                        else:
-                            hi = mid
-                b = T.if_then_else((row >= ROWMAP[0]) & (row < ROWMAP[n_req]), lo, -1)
-                local = row - ROWMAP[T.max(b, 0)]
-                nrows = ROWMAP[T.max(b, 0) + 1] - ROWMAP[T.max(b, 0)]
-            elif row_mode == ROW_TOKEN_TO_REQ:
-                # a row's index in its request is the number of earlier rows of that request
-                b = ROWMAP[row]
-                if tx == 0:
-                    counts[0] = 0
-                    counts[1] = 0
-                T.sync_threads()
-                fence()
-                before = T.alloc_var("int32")
-                total = T.alloc_var("int32")
-                before = 0
-                total = 0
-                for j in T.serial(T.ceildiv(R, threads)):
-                    r = j * threads + tx
-                    if r < R:
-                        if ROWMAP[r] == b:
-                            total += 1
-                            if r < row:
-                                before += 1
-                T.atomic_add(counts[0], before)
-                T.atomic_add(counts[1], total)
-                T.sync_threads()
-                local = counts[0]
-                nrows = counts[1]
-                b = T.if_then_else((b >= 0) & (b < n_req), b, -1)
-
-            bs = T.max(b, 0)
-            paged = (flags & PAGED) != 0
-            cap = T.if_then_else(paged, MP * PS, PS)
-            sk = T.if_then_else((flags & HAS_SEQ_LENS_K) != 0, SLK[bs], cap)
-            sq = T.if_then_else((flags & HAS_SEQ_LENS_Q) != 0, SLQ[bs], nrows)
-            live = (b >= 0) & (((flags & HAS_SEQ_LENS_Q) == 0) | (local < sq))
-            pos = T.if_then_else((flags & HAS_POSITIONS) != 0, QP[row], sk - sq + local)
-            limit = T.min(cap, sk)
-
-            # ---- this CTA's share of the row's token list
-            blocks = (flags & HAS_BLOCKS) != 0
+            _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
+            bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
-            n_slots = W
-            block_slots = T.alloc_var("int32")  # list slots [0, block_slots) come from block ids
-            block_slots = T.if_then_else(blocks, 4 * NB, 0)
-            if (flags & COMPACT_BLOCKS) != 0:
-                # valid block ids are a prefix of the row: find its end, keep the 3 tail tokens
-                lo = 0
-                hi = NB + 1
-                for _ in T.serial(11):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if BI[row, mid - 1] >= 0:
-                            lo = mid
-                        else:
-                            hi = mid
-                n_slots = 4 * lo + 3
-                block_slots = 4 * lo
-            first = sp * chunk
-            last = T.min(n_slots, first + chunk)
-            n_tiles = T.ceildiv(T.max(last - first, 0), TILE)
+            block_slots = T.alloc_var("int32")
+            blocks, first, last, n_tiles = _list_share(BI, n_slots, block_slots, lo, hi, row, sp, flags, chunk, W, NB)
 
             if tx < 128:
-                # ---------------- producer: decode DECODE_TILES tiles of tokens at a time (all their
-                # loads in flight together), then gather each tile's K/V rows
+                # ---------------- producer
                 ptx = tx
                 for it in T.serial(n_tiles):
                     if it % DECODE_TILES == 0:
                         # every producer thread is done reading the previous chunk's addresses
                         T.sync_threads(PRODUCER_BARRIER, 128)
                         fence()
-                        for j in T.unroll(PER_THREAD):
-                            s = first + it * TILE + j * 128 + ptx
-                            tok[j] = -1
-                            if s < last:
-                                if s < block_slots:
-                                    blk = BI[row, s // 4]
-                                    tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
-                                else:
-                                    # the tail tokens follow the 4 * NB block tokens in token_indices
-                                    tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
-                        for j in T.unroll(PER_THREAD):
-                            t = tok[j]
-                            ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
-                            pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
-                            if paged:
-                                pg[j] = T.if_then_else(ok, BT[bs, T.max(t, 0) // PS], -1)
-                            pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
-                        for j in T.unroll(PER_THREAD):
-                            tok_page[j * 128 + ptx] = pg[j]  # -1: masked
-                            tok_slot[j * 128 + ptx] = T.if_then_else(paged, T.max(tok[j], 0) % PS, T.max(tok[j], 0))
+                        _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
+                        _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
                         T.sync_threads(PRODUCER_BARRIER, 128)
                         fence()
-                    st = it % num_stages
-                    c = (it % DECODE_TILES) * TILE
-                    T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
-                    fence()
-                    if ptx < TILE:
-                        valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
-                    # cp.async, zero-filled for masked tokens; the full barrier counts their completion
-                    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-                        Ks[st, k, d] = T.if_then_else(
-                            tok_page[c + k] >= 0, K[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
-                        )
-                    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-                        Vs[st, k, d] = T.if_then_else(
-                            tok_page[c + k] >= 0, V[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
-                        )
-                    fence()
-                    T.cp_async_barrier_noinc(full[st])
-                    T.barrier_arrive(full[st])
+                    _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
             else:
-                # ---------------- consumer: QK^T, online softmax, PV
+                # ---------------- consumer
                 # Heads past the group are zero rows of Q, never stored.
                 for h, d in T.Parallel(head_tile, DIM):
                     Qs[h, d] = T.if_then_else(h < group, Q[row, h0 + h, d], T.cast(0, dtype))
@@ -307,43 +379,12 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                 T.fill(m_cur, M_FLOOR)
                 scale_log2 = scale * LOG2E
                 for it in T.serial(n_tiles):
-                    st = it % num_stages
-                    T.barrier_wait(full[st], (it // num_stages) & 1)
-                    fence()
-                    T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
-                    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
-                    for k, h in T.Parallel(TILE, head_tile):
-                        S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
-                    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
-                    T.copy(S, Pf)
-                    T.copy(Pf, Ps)
-                    T.sync_threads(CONSUMER_BARRIER, 128)  # P is in shared memory
-                    fence()
-                    for d, h in T.Parallel(DIM, head_tile):
-                        acc[d, h] *= alpha[h]
-                    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
-                    fence()
-                    T.barrier_arrive(empty[st])
-
+                    _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    for d, h in T.Parallel(DIM, head_tile):
-                        if h < group:
-                            O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-                    for h in T.Parallel(head_tile):
-                        if h < group:
-                            LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                    _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile)
                 else:
-                    gated = (flags & HAS_GATE) != 0
-                    for d, h in T.Parallel(DIM, head_tile):
-                        if h < group:
-                            o = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-                            gv = T.if_then_else(gated, G[T.min(row, RG - 1), T.min(h0 + h, HG - 1), T.min(d, DG - 1)], 0)
-                            O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
-                    if (flags & WRITE_LSE) != 0:
-                        for h in T.Parallel(head_tile):
-                            if h < group:
-                                LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                    _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile)
 
     return main
 
