@@ -51,6 +51,24 @@ class RecordMateOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# The op schemas as they were written out by hand (main f206cbc): generating them from the signatures changes none.
+SCHEMAS = {
+    "qsa_indexer_mqa_score": "mate::qsa_indexer_mqa_score(Tensor q_idx, Tensor block_keys, Tensor? block_table=None, SymInt? page_size=None, Tensor? cu_seqlens_q=None, Tensor? token_to_req=None, SymInt? num_requests=None, Tensor? query_positions=None, Tensor? seq_lens_q=None, SymInt block_size=4, float? scale=None, float? score_scale=None, str backend=\"tilelang\") -> Tensor",
+    "qsa_mqa_prefill": "mate::qsa_mqa_prefill(Tensor q, Tensor k, Tensor row_starts, Tensor row_ends, float? score_scale=None, *, float? scale=None, str backend=\"tilelang\") -> Tensor",
+    "qsa_mqa_decode": "mate::qsa_mqa_decode(Tensor q, Tensor k_cache, Tensor page_table, Tensor context_lens, SymInt max_model_len, float? score_scale=None, *, float? scale=None, str backend=\"tilelang\") -> Tensor",
+    "nsa_selection_attention": "mate::nsa_selection_attention(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor(a4!) out, Tensor(a5!) lse, SymInt block_size, Tensor? block_counts, float? scale, str backend) -> ()",
+    "gqa_attention": "mate::gqa_attention(Tensor q, Tensor k, Tensor v, Tensor(a3!) out, Tensor(a4!) lse, SymInt[]? sliding_window, float? scale, str backend) -> ()",
+    "merge_attention_states": "mate::merge_attention_states(Tensor partial_out, Tensor partial_lse, Tensor(a2!) out, Tensor(a3!) lse, Tensor? gate, ScalarType? out_dtype, str backend) -> ()",
+    "qsa_sparse_attention": "mate::qsa_sparse_attention(Tensor query, Tensor key, Tensor value, Tensor? token_indices, Tensor(a4!) out, Tensor(a5!) lse, Tensor? block_indices, Tensor? cu_seqlens_q, Tensor? token_to_req, SymInt? num_requests, Tensor? cu_seqlens_k, Tensor? seq_lens_q, Tensor? seq_lens_k, Tensor? query_positions, Tensor? block_table, SymInt? page_size, float? scale, Tensor? gate, SymInt? num_splits, str backend, bool warp_specialized, bool assume_compact_blocks, Tensor? selected_kv_indices, float? softmax_scale, float k_scale, float v_scale, ScalarType? compute_dtype, bool caller_lse) -> ()",
+    "gqa_launch": "mate::gqa_launch(Tensor Q, Tensor K, Tensor V, Tensor(a3!) O, SymInt[] geometry, SymInt[]? sliding_window, SymInt[] strides, SymInt seq_len_q, SymInt seq_len_kv) -> ()",
+}
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_op_schemas_are_pinned(name):
+    assert str(getattr(torch.ops.mate, name).default._schema) == SCHEMAS[name]
+
+
 def test_every_entrypoint_is_an_op_with_its_signature_and_docstring():
     public = set(mate.__all__) - {"build_gqa_attn", "qsa_mqa", "debug_checks"}
     assert public == set(OPS)
