@@ -78,11 +78,6 @@ def test_every_entrypoint_is_an_op_with_its_signature_and_docstring():
         assert entry is not impl and entry.__doc__ == impl.__doc__
         assert inspect.signature(entry) == inspect.signature(impl)
     assert mate.qsa_mqa is mate.qsa_mqa_prefill
-    # The routes the wrappers take under torch.compile accept exactly the entrypoints' parameters.
-    routes = {"nsa_selection_attention": _ops._nsa_compiled, "gqa_attention": _ops._gqa_compiled,
-              "merge_attention_states": _ops._merge_compiled, "qsa_sparse_attention": _ops._qsa_compiled}
-    for name, route in routes.items():
-        assert list(inspect.signature(route).parameters) == list(inspect.signature(OPS[name]).parameters), name
     for name in ("qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode"):  # the op is called with the public arguments
         schema = getattr(torch.ops.mate, name).default._schema
         assert [a.name for a in schema.arguments] == list(inspect.signature(OPS[name]).parameters), name
