@@ -69,6 +69,24 @@ def test_op_schemas_are_pinned(name):
     assert str(getattr(torch.ops.mate, name).default._schema) == SCHEMAS[name]
 
 
+def test_register_makes_the_op_from_the_signature():
+    """A keyword is one edit, in the entrypoint: the schema, the op's call of the entrypoint and the compiled route follow."""
+    def scaled(x: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None, backend: str = "reference"):
+        out = torch.empty_like(x) if out is None else out
+        torch.mul(x, alpha, out=out)
+        return out, x.sum(-1)
+
+    entry = _ops.register("_test_scaled", scaled, returns=lambda a, out, sums: (out, sums),
+                          buffers={"out": lambda a: torch.empty_like(a["x"]), "sums": lambda a: a["x"].new_empty(a["x"].shape[:-1])})
+    assert str(torch.ops.mate._test_scaled.default._schema) == \
+        "mate::_test_scaled(Tensor x, Tensor(a1!) out, Tensor(a2!) sums, float alpha, str backend) -> ()"
+    assert inspect.signature(entry) == inspect.signature(scaled)
+    torch._dynamo.reset()
+    x, buf = torch.randn(3, 4), torch.full((3, 4), float("nan"))
+    out, sums = torch.compile(lambda: entry(x, alpha=3.0, out=buf), fullgraph=True, backend="aot_eager")()
+    assert out is buf and torch.equal(out, x * 3) and torch.equal(sums, x.sum(-1))  # sums: copied from the result
+
+
 def test_every_entrypoint_is_an_op_with_its_signature_and_docstring():
     public = set(mate.__all__) - {"build_gqa_attn", "qsa_mqa", "debug_checks"}
     assert public == set(OPS)
