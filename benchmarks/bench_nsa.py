@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
+from mate.testing import draw_block_indices
 from mate import _dispatch
 from tuning.configfile import using_tiles
-from tuning.stages import draw_block_indices
 
 D, T_SEL, BS = 128, 16, 64
 DTYPE = torch.bfloat16

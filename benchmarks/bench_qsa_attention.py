@@ -30,51 +30,11 @@ import torch.nn.functional as F
 from common import PEAK_BYTES, RESULTS, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
+from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
 
-HQ, HKV, D, PAGE, CONTEXT, BLOCKS, SHARED_POOL = 24, 2, 256, 64, 32768, 512, 512
+HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
 REPORT = dict(stage="qsa_attention", quick=["--batches", "1", "64", "--prefill-rows", "1024", "--splits", "1", "4"], full=[])
-
-
-def selection(gen, positions):
-    """[rows, 2051] token ids and [rows, 512] block ids (issue #16): 512 distinct complete causal 4-token blocks
-    in random order, expanded, then the tokens of the row's own incomplete tail block (-1 where absent)."""
-    tokens, blocks = [], []
-    for p in positions.tolist():
-        full = (p + 1) // 4  # blocks j with 4j + 3 <= p
-        blk = torch.randperm(full, generator=gen)[:BLOCKS]
-        tail = torch.arange(4 * full, 4 * full + 3)
-        tokens.append(torch.cat([(blk[:, None] * 4 + torch.arange(4)).flatten(), torch.where(tail <= p, tail, -1)]))
-        blocks.append(blk)
-    return torch.stack(tokens).to(torch.int32), torch.stack(blocks).to(torch.int32)
-
-
-def problem(gen, batch, rows_per_req):
-    """Issue #16's inputs. Decode (rows_per_req 1): request r holds 32768 - 1 - (r mod 4) tokens, one row at its
-    last position, its pages a random draw from the pool (batch 256: a 512-page pool the requests share, else
-    pages of its own). Prefill: the last rows_per_req positions of one 32768-token request. Per-head BF16 gate."""
-    pages = CONTEXT // PAGE
-    if rows_per_req == 1:
-        seq = torch.tensor([CONTEXT - 1 - r % 4 for r in range(batch)])
-        pool = SHARED_POOL if batch >= 256 else batch * pages
-        perm = [torch.randperm(pool, generator=gen) for _ in range(batch)] if pool == SHARED_POOL else \
-            list(torch.randperm(pool, generator=gen).view(batch, pages))
-        table = torch.stack([t[:pages] for t in perm])
-        positions = seq - 1
-    else:
-        seq = torch.full((batch,), CONTEXT)
-        pool = batch * pages
-        table = torch.randperm(pool, generator=gen).view(batch, pages)
-        positions = torch.arange(CONTEXT - rows_per_req, CONTEXT).repeat(batch)
-    rows = batch * rows_per_req
-    k = torch.randn(pool, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
-    v = torch.randn(pool, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
-    q = torch.randn(rows, HQ, D, generator=gen).to(torch.bfloat16).cuda()
-    ti, bi = selection(gen, positions)
-    cu = torch.arange(batch + 1, dtype=torch.int32) * rows_per_req
-    return dict(query=q, key=k, value=v, token_indices=ti.cuda(), block_table=table.to(torch.int32).cuda(),
-                cu_seqlens_q=cu.cuda(), seq_lens_k=seq.to(torch.int32).cuda(),
-                gate=torch.randn(rows, HQ, generator=gen).to(torch.bfloat16).cuda()), bi.cuda()
 
 
 def cold_graph_us(fn) -> float:
@@ -152,10 +112,10 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     cases = []
     for b in args.batches:
-        cases.append(measure(f"decode b={b}", problem(gen, b, 1)[0], 1, args.splits))
+        cases.append(measure(f"decode b={b}", qsa_serving_problem(gen, b, 1)[0], 1, args.splits))
         torch.cuda.empty_cache()
     if args.prefill_rows:
-        p, hint = problem(gen, 1, args.prefill_rows)
+        p, hint = qsa_serving_problem(gen, 1, args.prefill_rows)
         cases.append(measure(f"prefill rows={args.prefill_rows}", p, args.prefill_rows, [1], hint=hint))
     result = dict(environment(), cases=cases)
     write_json(args.out, result)

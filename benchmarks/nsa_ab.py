@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mate.nsa.selection  # noqa: E402,F401  (registers the stage)
 from common import RESULTS, environment, median_ms, write_json  # noqa: E402
 from mate import _dispatch  # noqa: E402
 from tuning import configfile  # noqa: E402

@@ -65,12 +65,17 @@ class Stage:
         return dict(getattr(importlib.import_module(self.module), self.pass_configs)) if self.pass_configs else None
 
 
-STAGES: dict[str, Stage] = {}
-
-
-def register(stage: Stage) -> Stage:
-    STAGES[stage.name] = stage
-    return stage
+# Every native stage, in one place (the API modules look theirs up here; nothing registers itself on import).
+# Programs are named by module path, so this list loads no TileLang.
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits", ("block_rows", "block_keys", "threads", "num_stages")),
+    Stage("mqa_decode", "mate.qsa.kernels.mqa", "mqa_decode", ("block_keys", "threads")),
+    Stage("nsa_selection", "mate.nsa.kernels.selection", "nsa_selection_fwd", ("head_tile", "threads", "num_stages", "min_blocks"),
+          "PASS_CONFIGS"),
+    Stage("gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd", ("block_m", "block_n", "threads", "num_stages", "mma_depth")),
+    Stage("qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention", ("head_tile", "num_stages"), "PASS_CONFIGS"),
+    Stage("qsa_merge", "mate.qsa.kernels.sparse", "merge", ("threads",)),
+)}
 
 
 class _LazyModule:

@@ -9,10 +9,14 @@ the same entrypoint, so its checks (some read data pointers, which FakeTensors
 lack) run when the compiled graph runs, before any kernel; the fake
 implementation only gives output shapes.
 
-Custom ops may not return their inputs, so an entrypoint with `out`/`lse`
-buffers is registered as an op that writes both (declared in mutates_args)
-and returns nothing; under torch.compile the wrapper allocates the buffers the
-caller did not pass, as the entrypoint would, and returns them.
+`register` makes each op from its entrypoint's signature (schema, real and
+fake implementation, the compiled route) plus a few lines saying what differs:
+a new keyword of an entrypoint is one edit, in the entrypoint. Custom ops may
+not return their inputs, so an entrypoint with `out`/`lse` buffers is
+registered as an op that writes both (declared in mutates_args) and returns
+nothing; under torch.compile the wrapper allocates the buffers the caller did
+not pass, as the entrypoint would, and returns them. tests/test_torch_ops.py
+pins the schemas.
 
 `build_gqa_attn` builds its launcher eagerly (checking the geometry then); the
 launch it returns becomes the `mate::gqa_launch` op under torch.compile.
@@ -21,6 +25,8 @@ launch it returns becomes the `mate::gqa_launch` op under torch.compile.
 from __future__ import annotations
 
 import functools
+import inspect
+import typing
 
 import torch
 from torch import Tensor
@@ -52,151 +58,153 @@ def _fake_scores(shape, like: Tensor) -> Tensor:
     return like.new_empty(shape, dtype=torch.float32)
 
 
+def _is_tensor(annotation) -> bool:
+    return annotation is Tensor or Tensor in typing.get_args(annotation)
+
+
+def _is_list(annotation) -> bool:
+    return any(typing.get_origin(t) is list for t in (annotation, *typing.get_args(annotation)))
+
+
+def _bind(sig: inspect.Signature, args, kwargs) -> dict:
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=None, passes=None, returns=None, types=None):
+    """torch.ops.mate.<name> from the entrypoint's signature, and the public function (eager: the entrypoint itself).
+
+    A functional op (no `buffers`) has the entrypoint's parameters and defaults; custom ops
+    take no keyword-only tensors, so if one is a tensor all become positional-or-keyword.
+    `fake(args)` gives its output's shape from the bound arguments.
+
+    An op with buffers writes them (declared mutated) and returns nothing, since a custom
+    op may not return its inputs. Its parameters: the entrypoint's positional ones, the
+    `buffers`, the keyword-only ones (less the buffers and `fixed`), then `extra`; no
+    defaults (the buffers, which have none, follow arguments that do).
+    - buffers: {name: allocate(args)}, the output buffers in the entrypoint's result order;
+      under torch.compile the caller's buffer, or one allocated as the entrypoint would;
+    - fixed: {parameter: value} the op passes to the entrypoint (return_lse=True);
+    - extra: {name: (type, value(args))} op parameters computed from the caller's arguments;
+    - passes: {buffer: when(op_args)} whether the op hands that buffer to the entrypoint
+      (default: if it is a parameter); a buffer it does not hand over gets the result copied in;
+    - returns(args, *buffers): the public result under torch.compile;
+    - types: {parameter: type} where the entrypoint's annotation is no schema type.
+    A tuple given for a list parameter goes through as a list.
+    """
+    sig = inspect.signature(entrypoint, eval_str=True)
+    types = {n: (types or {}).get(n, p.annotation) for n, p in sig.parameters.items()}
+    P = inspect.Parameter
+    if buffers is None:
+        kw_tensors = any(p.kind is P.KEYWORD_ONLY and _is_tensor(types[n]) for n, p in sig.parameters.items())
+        params = [p.replace(annotation=types[n], kind=P.POSITIONAL_OR_KEYWORD if kw_tensors else p.kind) for n, p in sig.parameters.items()]
+        op_sig = sig.replace(parameters=params)
+    else:
+        fixed, extra, passes = fixed or {}, extra or {}, passes or {}
+        given = [n for n, p in sig.parameters.items() if p.kind is P.POSITIONAL_OR_KEYWORD]
+        rest = [n for n, p in sig.parameters.items() if p.kind is P.KEYWORD_ONLY and n not in buffers and n not in fixed]
+        annotated = {**{n: types[n] for n in given + rest}, **dict.fromkeys(buffers, Tensor), **{n: t for n, (t, _) in extra.items()}}
+        order = given + list(buffers) + rest + list(extra)
+        op_sig = inspect.Signature([P(n, P.POSITIONAL_OR_KEYWORD, annotation=annotated[n]) for n in order], return_annotation=None)
+    lists = {n for n, p in op_sig.parameters.items() if _is_list(p.annotation)}
+
+    def implementation(*args, **kwargs):
+        a = _bind(op_sig, args, kwargs)
+        if buffers is None:
+            return entrypoint(**a)
+        handed = {b: b in sig.parameters and passes.get(b, lambda _: True)(a) for b in buffers}
+        kw = {n: a[n] for n in sig.parameters if n in a and n not in buffers}
+        kw.update(fixed, **{b: a[b] if handed[b] else None for b in buffers if b in sig.parameters})
+        result = entrypoint(**kw)
+        for i, b in enumerate(buffers):
+            if not handed[b]:
+                a[b].copy_(result[i])
+
+    implementation.__signature__ = op_sig
+    op = torch.library.custom_op(f"mate::{name}", implementation, mutates_args=tuple(buffers or ()))
+    if fake is not None:
+        op.register_fake(lambda *args, **kwargs: fake(_bind(op_sig, args, kwargs)))
+
+    def compiled(*args, **kwargs):
+        a = _bind(sig, args, kwargs)
+        if buffers is not None:
+            a.update({n: value(a) for n, (_, value) in extra.items()})  # from the caller's arguments, before allocating
+            a.update({b: alloc(a) if a.get(b) is None else a[b] for b, alloc in buffers.items()})
+        values = {n: list(a[n]) if n in lists and isinstance(a[n], tuple) else a[n] for n in op_sig.parameters}
+        positional = [values[n] for n, p in op_sig.parameters.items() if p.kind is P.POSITIONAL_OR_KEYWORD]
+        result = op(*positional, **{n: values[n] for n, p in op_sig.parameters.items() if p.kind is P.KEYWORD_ONLY})
+        return result if buffers is None else returns(a, *(a[b] for b in buffers))
+
+    return _entry(entrypoint, compiled)
+
+
+def _out_like(name):
+    return lambda a: a[name].new_empty(a[name].shape)
+
+
+def _lse(name, shape):
+    return lambda a: a[name].new_empty(shape(a[name].shape), dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- MQA indexer: functional ops
 
-_prefill_op = torch.library.custom_op("mate::qsa_mqa_prefill", indexer.qsa_mqa_prefill, mutates_args=())
-_decode_op = torch.library.custom_op("mate::qsa_mqa_decode", indexer.qsa_mqa_decode, mutates_args=())
-
-
-# Custom ops take no keyword-only tensors: the same parameters, positional-or-keyword.
-@torch.library.custom_op("mate::qsa_indexer_mqa_score", mutates_args=())
-def _score_op(
-    q_idx: Tensor, block_keys: Tensor, block_table: Tensor | None = None, page_size: int | None = None,
-    cu_seqlens_q: Tensor | None = None, token_to_req: Tensor | None = None, num_requests: int | None = None,
-    query_positions: Tensor | None = None, seq_lens_q: Tensor | None = None, block_size: int = 4,
-    scale: float | None = None, score_scale: float | None = None, backend: str = "tilelang",
-) -> Tensor:
-    return indexer.qsa_indexer_mqa_score(
-        q_idx, block_keys, block_table=block_table, page_size=page_size, cu_seqlens_q=cu_seqlens_q,
-        token_to_req=token_to_req, num_requests=num_requests, query_positions=query_positions, seq_lens_q=seq_lens_q,
-        block_size=block_size, scale=scale, score_scale=score_scale, backend=backend,
-    )
-
-
-@_score_op.register_fake
-def _(q_idx, block_keys, block_table=None, *_, **__):
-    n_keys = block_keys.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    return _fake_scores((*q_idx.shape[:-2], n_keys), q_idx)
-
-
-@_prefill_op.register_fake
-def _(q, k, *_, **__):
-    return _fake_scores((q.shape[0], k.shape[0]), q)
-
-
-@_decode_op.register_fake
-def _(q, k_cache, page_table, context_lens, max_model_len, *_, **__):
-    return _fake_scores((q.shape[0], max_model_len), q)
-
-
-qsa_indexer_mqa_score = _entry(indexer.qsa_indexer_mqa_score, _score_op)
-qsa_mqa_prefill = qsa_mqa = _entry(indexer.qsa_mqa_prefill, _prefill_op)
-qsa_mqa_decode = _entry(indexer.qsa_mqa_decode, _decode_op)
+qsa_indexer_mqa_score = register(
+    "qsa_indexer_mqa_score", indexer.qsa_indexer_mqa_score,
+    fake=lambda a: _fake_scores(
+        (*a["q_idx"].shape[:-2], a["block_keys"].shape[1] * (a["block_table"].shape[1] if a["block_table"] is not None else 1)),
+        a["q_idx"]),
+)
+qsa_mqa_prefill = qsa_mqa = register(
+    "qsa_mqa_prefill", indexer.qsa_mqa_prefill, fake=lambda a: _fake_scores((a["q"].shape[0], a["k"].shape[0]), a["q"]))
+qsa_mqa_decode = register(
+    "qsa_mqa_decode", indexer.qsa_mqa_decode, fake=lambda a: _fake_scores((a["q"].shape[0], a["max_model_len"]), a["q"]))
 
 
 # ---------------------------------------------------------------- entrypoints with out / lse buffers
 
 
-@torch.library.custom_op("mate::nsa_selection_attention", mutates_args=("out", "lse"))
-def _nsa_op(
-    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, out: Tensor, lse: Tensor,
-    block_size: int, block_counts: Tensor | None, scale: float | None, backend: str,
-) -> None:
-    selection.nsa_selection_attention(q, k, v, block_indices, block_size=block_size, block_counts=block_counts,
-                                      scale=scale, out=out, lse=lse, backend=backend)
-
-
-def _nsa_compiled(q, k, v, block_indices, *, block_size=64, block_counts=None, scale=None, out=None, lse=None, backend="tilelang"):
-    B, M, H, _ = q.shape
-    out = q.new_empty(q.shape) if out is None else out
-    lse = q.new_empty((B, H, M), dtype=torch.float32) if lse is None else lse
-    _nsa_op(q, k, v, block_indices, out, lse, block_size, block_counts, scale, backend)
+def _out_lse(a, out, lse):
     return out, lse
 
 
-@torch.library.custom_op("mate::gqa_attention", mutates_args=("out", "lse"))
-def _gqa_op(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sliding_window: list[int] | None, scale: float | None, backend: str
-) -> None:
-    _, res_lse = swa.gqa_attention(q, k, v, sliding_window=sliding_window, scale=scale, out=out, return_lse=True, backend=backend)
-    lse.copy_(res_lse)
+def _out_or_both(a, out, lse):
+    return (out, lse) if a["return_lse"] else out
 
 
-def _gqa_compiled(q, k, v, *, sliding_window=None, scale=None, out=None, return_lse=False, backend="tilelang"):
-    B, Sq, H, _ = q.shape
-    out = q.new_empty(q.shape) if out is None else out
-    lse = q.new_empty((B, H, Sq), dtype=torch.float32)
-    _gqa_op(q, k, v, out, lse, _window(sliding_window), scale, backend)
-    return (out, lse) if return_lse else out
+nsa_selection_attention = register(
+    "nsa_selection_attention", selection.nsa_selection_attention,
+    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]))}, returns=_out_lse,
+)
+# gqa_attention takes no lse buffer: the op copies the one it returns into its own.
+gqa_attention = register(
+    "gqa_attention", swa.gqa_attention,
+    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]))}, fixed={"return_lse": True},
+    returns=_out_or_both, types={"sliding_window": list[int] | None},
+)
+merge_attention_states = register(
+    "merge_attention_states", merge.merge_attention_states,
+    buffers={"out": lambda a: a["partial_out"].new_empty(a["partial_out"].shape[1:], dtype=a["out_dtype"] or a["partial_out"].dtype),
+             "lse": _lse("partial_out", lambda s: s[1:-1])},
+    returns=_out_lse,
+)
+# The entrypoint takes an lse buffer with physical ids only (and rejects one the caller gave otherwise),
+# so the op hands it over then, or when the caller gave one (for that error); else it copies the result in.
+qsa_sparse_attention = register(
+    "qsa_sparse_attention", attention.qsa_sparse_attention,
+    buffers={"out": _out_like("query"), "lse": _lse("query", lambda s: s[:-1])}, fixed={"return_lse": True},
+    extra={"caller_lse": (bool, lambda a: a["lse"] is not None)},
+    passes={"lse": lambda a: a["selected_kv_indices"] is not None or a["caller_lse"]},
+    returns=_out_or_both,
+)
+
+
+# ---------------------------------------------------------------- the GQA launcher
 
 
 def _window(sliding_window):
     # The op schema holds int[]?; anything else goes through as is, for the entrypoint's own TypeError.
     return list(sliding_window) if isinstance(sliding_window, tuple) else sliding_window
-
-
-@torch.library.custom_op("mate::merge_attention_states", mutates_args=("out", "lse"))
-def _merge_op(
-    partial_out: Tensor, partial_lse: Tensor, out: Tensor, lse: Tensor, gate: Tensor | None, out_dtype: torch.dtype | None, backend: str
-) -> None:
-    merge.merge_attention_states(partial_out, partial_lse, gate=gate, out=out, lse=lse, out_dtype=out_dtype, backend=backend)
-
-
-def _merge_compiled(partial_out, partial_lse, *, gate=None, out=None, lse=None, out_dtype=None, backend="tilelang"):
-    out = partial_out.new_empty(partial_out.shape[1:], dtype=out_dtype or partial_out.dtype) if out is None else out
-    lse = partial_out.new_empty(partial_out.shape[1:-1], dtype=torch.float32) if lse is None else lse
-    _merge_op(partial_out, partial_lse, out, lse, gate, out_dtype, backend)
-    return out, lse
-
-
-@torch.library.custom_op("mate::qsa_sparse_attention", mutates_args=("out", "lse"))
-def _qsa_op(
-    query: Tensor, key: Tensor, value: Tensor, token_indices: Tensor | None, out: Tensor, lse: Tensor,
-    block_indices: Tensor | None, cu_seqlens_q: Tensor | None, token_to_req: Tensor | None, num_requests: int | None,
-    cu_seqlens_k: Tensor | None, seq_lens_q: Tensor | None, seq_lens_k: Tensor | None, query_positions: Tensor | None,
-    block_table: Tensor | None, page_size: int | None, scale: float | None, gate: Tensor | None, num_splits: int | None,
-    backend: str, warp_specialized: bool, assume_compact_blocks: bool, selected_kv_indices: Tensor | None,
-    softmax_scale: float | None, k_scale: float, v_scale: float, compute_dtype: torch.dtype | None, caller_lse: bool,
-) -> None:
-    # The entrypoint takes an lse buffer with physical ids only (and rejects one the caller gave otherwise).
-    physical = selected_kv_indices is not None
-    _, res_lse = attention.qsa_sparse_attention(
-        query, key, value, token_indices, block_indices=block_indices, cu_seqlens_q=cu_seqlens_q,
-        token_to_req=token_to_req, num_requests=num_requests, cu_seqlens_k=cu_seqlens_k, seq_lens_q=seq_lens_q,
-        seq_lens_k=seq_lens_k, query_positions=query_positions, block_table=block_table, page_size=page_size,
-        scale=scale, gate=gate, num_splits=num_splits, return_lse=True, backend=backend,
-        warp_specialized=warp_specialized, assume_compact_blocks=assume_compact_blocks, out=out,
-        selected_kv_indices=selected_kv_indices, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
-        compute_dtype=compute_dtype, lse=lse if physical or caller_lse else None,
-    )
-    if not physical:
-        lse.copy_(res_lse)
-
-
-def _qsa_compiled(
-    query, key, value, token_indices=None, *, block_indices=None, cu_seqlens_q=None, token_to_req=None,
-    num_requests=None, cu_seqlens_k=None, seq_lens_q=None, seq_lens_k=None, query_positions=None, block_table=None,
-    page_size=None, scale=None, gate=None, num_splits=None, return_lse=False, backend="tilelang",
-    warp_specialized=False, assume_compact_blocks=False, out=None, selected_kv_indices=None, softmax_scale=None,
-    k_scale=1.0, v_scale=1.0, compute_dtype=None, lse=None,
-):
-    caller_lse = lse is not None
-    out = query.new_empty(query.shape) if out is None else out
-    lse = query.new_empty(query.shape[:-1], dtype=torch.float32) if lse is None else lse
-    _qsa_op(query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q, token_to_req, num_requests,
-            cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits,
-            backend, warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype, caller_lse)
-    return (out, lse) if return_lse else out
-
-
-nsa_selection_attention = _entry(selection.nsa_selection_attention, _nsa_compiled)
-gqa_attention = _entry(swa.gqa_attention, _gqa_compiled)
-merge_attention_states = _entry(merge.merge_attention_states, _merge_compiled)
-qsa_sparse_attention = _entry(attention.qsa_sparse_attention, _qsa_compiled)
-
-
-# ---------------------------------------------------------------- the GQA launcher
 
 
 @torch.library.custom_op("mate::gqa_launch", mutates_args=("O",))

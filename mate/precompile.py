@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from mate import _dispatch  # importing mate registers the stages (in a spawned worker too)
+from mate import _dispatch
 
 
 def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, str]]:

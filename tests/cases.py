@@ -20,7 +20,6 @@ off the allocation, where compute-sanitizer sees it. Random values come from
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +28,7 @@ import pytest
 import torch
 
 import mate
+from mate.testing import nsa_indices, qsa_token_rows, randint, randn, tail_view
 
 I32 = torch.int32
 BF16 = torch.bfloat16
@@ -39,20 +39,6 @@ class Problem:
     call: Callable[[str], tuple]
     refresh: Callable[[], None]
     tol: float = 1e-2
-
-
-def randn(gen, *shape, device, dtype=BF16, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-
-def randint(gen, lo, hi, shape, device):
-    return torch.randint(lo, hi, shape, generator=gen, dtype=I32).to(device)
-
-
-def tail_view(gen, shape, *, device, pad_rows=3, pad_cols=0, dtype=BF16):
-    """A view of `shape` at a storage offset (pad_rows leading rows, pad_cols leading features), ending where its base ends."""
-    base = randn(gen, shape[0] + pad_rows, *shape[1:-1], shape[-1] + pad_cols, device=device, dtype=dtype)
-    return base[pad_rows:, ..., pad_cols:]
 
 
 # ---------------------------------------------------------------- MQA indexer (H = 4, D = 128)
@@ -118,17 +104,6 @@ def mqa_decode(device, gen):
 
 
 # ---------------------------------------------------------------- NSA selection
-
-
-def nsa_indices(gen, B, M, G, T, N, block_size, device):
-    """Visible blocks, -1 pads, other negatives, future and past-the-end blocks, duplicates, INT32_MAX."""
-    n_blocks = math.ceil(N / block_size)
-    idx = torch.randint(-2, n_blocks + 3, (B, M, G, T), generator=gen, dtype=I32)
-    idx[..., 0] = torch.randint(0, max(1, n_blocks // 2), (B, M, G), generator=gen, dtype=I32)
-    idx[..., 2] = idx[..., 0]
-    idx[..., 3] = -1
-    idx[0, 0, 0, 4] = 2**31 - 1
-    return idx.to(device)
 
 
 def nsa_selection(device, gen):
@@ -223,15 +198,6 @@ def merge_states(device, gen):
     return Problem(call, refresh)
 
 
-def qsa_tokens(gen, rows, width, cap, device):
-    """Request-local token ids: -1 pads (the middle too), ids past the cache, duplicates, an all -1 row."""
-    t = torch.randint(-1, cap + 3, (rows, width), generator=gen, dtype=I32)
-    t[:, width // 2] = -1
-    t[:, -1] = t[:, 0]
-    t[0] = -1
-    return t.to(device)
-
-
 def qsa_paged(device, gen):
     """Flattened query rows of two requests over a paged pool with missing pages."""
     n_req, hq, hkv, D, ps, pages, max_pages, width = 2, 8, 1, 256, 16, 5, 3, 19
@@ -249,7 +215,7 @@ def qsa_paged(device, gen):
         t[0, 1], t[1, 2] = -1, pages + 7
         table.copy_(t)
         lens_k.copy_(randint(gen, 1, max_pages * ps + 1, (n_req,), device))
-        tokens.copy_(qsa_tokens(gen, rows, width, max_pages * ps, device))
+        tokens.copy_(qsa_token_rows(gen, rows, width, max_pages * ps, device))
 
     def call(backend):
         return mate.qsa_sparse_attention(query, key, value, tokens, cu_seqlens_q=cu, block_table=table, page_size=ps,
@@ -268,7 +234,7 @@ def qsa_padded(device, gen):
     lens_q = torch.tensor([Q, 2], dtype=I32, device=device)  # padded rows
 
     def refresh():
-        tokens.copy_(qsa_tokens(gen, B * Q, width, S, device).view(B, Q, width))
+        tokens.copy_(qsa_token_rows(gen, B * Q, width, S, device).view(B, Q, width))
 
     def call(backend):
         return mate.qsa_sparse_attention(query, key, value, tokens, seq_lens_q=lens_q, return_lse=True, backend=backend)
@@ -287,7 +253,7 @@ def qsa_physical(device, gen):
     lse = torch.empty(rows, hq, device=device)
 
     def refresh():
-        ids.copy_(qsa_tokens(gen, rows, width, N, device))
+        ids.copy_(qsa_token_rows(gen, rows, width, N, device))
 
     def call(backend):
         if backend == "reference":

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 import mate
+from mate.testing import randint, randn
 
 I32 = torch.int32
 BF16 = torch.bfloat16
@@ -48,14 +49,6 @@ def poison_unused(x: torch.Tensor, used: torch.Tensor) -> None:
     """Garbage into x where `used` (bool, x's leading dims) is False."""
     mask = used.to(x.device).reshape(*used.shape, *([1] * (x.dim() - used.dim()))).expand(x.shape)
     x.copy_(torch.where(mask, x, garbage_like(x)))
-
-
-def randn(gen, *shape, device, dtype=BF16):
-    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-
-def randint(gen, lo, hi, shape, device="cpu"):
-    return torch.randint(lo, hi, shape, generator=gen, dtype=I32).to(device)
 
 
 def with_tail(gen, shape, tail, *, device, dtype=BF16):

@@ -4,7 +4,6 @@ import pytest
 import torch
 import yaml
 
-import mate  # noqa: F401  (registers the stages)
 from mate import _checks as C
 from mate import _dispatch
 
@@ -27,9 +26,19 @@ def test_keys_round_trip():
         _dispatch.parse_key("bfloat16")
 
 
+def test_the_api_modules_use_the_listed_stages():
+    from mate.nsa import selection
+    from mate.qsa import attention, indexer, merge
+    from mate.swa import attention as swa
+
+    used = [attention.ATTENTION, indexer.LOGITS, indexer.DECODE, merge.STAGE, selection.STAGE, swa.STAGE]
+    assert sorted(s.name for s in used) == sorted(_dispatch.STAGES)
+    assert all(_dispatch.STAGES[s.name] is s for s in used)
+
+
 def test_shipped_config_is_valid_and_complete():
     config = _dispatch.load_config("sm90")
-    assert set(config) <= set(_dispatch.STAGES)
+    assert set(config) == set(_dispatch.STAGES)  # every listed stage has entries
     for stage, entries in config.items():
         for key in entries:
             assert set(_dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")) == set(_dispatch.STAGES[stage].params)
@@ -125,12 +134,12 @@ def test_canonical_unit_strides_is_a_view():
 
 def test_import_mate_loads_no_tilelang():
     """TileLang and TVM take about a second to load: they come with the first native call, not with `import mate`
-    or a reference call (a fresh interpreter, since this one may have loaded them already)."""
+    or mate.testing, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
     import subprocess
     import sys
 
     code = """
-import sys, torch, mate
+import sys, torch, mate, mate.testing
 from mate import _dispatch
 loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
 assert not loaded(), ('import mate', loaded())

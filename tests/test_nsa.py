@@ -7,6 +7,7 @@ import torch
 
 import mate
 from mate.nsa import reference
+from mate.testing import nsa_indices
 
 I32 = torch.int32
 
@@ -55,20 +56,6 @@ def rand(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def draw_indices(gen, B, M, G, T, N, block_size):
-    """Random entries: visible, future, -1 pads, other negatives, out of range, and duplicates."""
-    n_blocks = math.ceil(N / block_size)
-    idx = torch.randint(-2, n_blocks + 3, (B, M, G, T), generator=gen, dtype=I32)
-    idx[..., 0] = torch.randint(0, max(1, n_blocks // 2), (B, M, G), generator=gen, dtype=I32)
-    if T > 2:
-        idx[..., 2] = idx[..., 0]  # a duplicate
-    if T > 3:
-        idx[..., 3] = -1
-    if T > 4:
-        idx[0, 0, 0, 4] = 2**30
-    return idx
-
-
 # ---------------------------------------------------------------- reference vs oracle
 
 
@@ -78,7 +65,7 @@ def draw_indices(gen, B, M, G, T, N, block_size):
 def test_reference_matches_oracle(gen, hpg, block_size, M, N):
     B, G, D, T = 2, 2, 16, 6
     q, k, v = rand(gen, B, M, G * hpg, D), rand(gen, B, N, G, D), rand(gen, B, N, G, D)
-    idx = draw_indices(gen, B, M, G, T, N, block_size)
+    idx = nsa_indices(gen, B, M, G, T, N, block_size)
     out, lse = mate.nsa_selection_attention(q, k, v, idx, block_size=block_size, backend="reference")
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (B, G * hpg, M) and lse.dtype == torch.float32
@@ -88,7 +75,7 @@ def test_reference_matches_oracle(gen, hpg, block_size, M, N):
 def test_reference_block_counts_and_scale(gen):
     B, M, N, G, hpg, D, T, bs = 2, 11, 50, 3, 2, 8, 5, 8
     q, k, v = rand(gen, B, M, G * hpg, D), rand(gen, B, N, G, D), rand(gen, B, N, G, D)
-    idx = draw_indices(gen, B, M, G, T, N, bs)
+    idx = nsa_indices(gen, B, M, G, T, N, bs)
     counts = torch.randint(-1, T + 3, (B, M, G), generator=gen, dtype=I32)
     out, lse = mate.nsa_selection_attention(q, k, v, idx, block_size=bs, block_counts=counts, scale=0.7, backend="reference")
     check(out, lse, *naive(q, k, v, idx, counts, bs, 0.7))
@@ -123,7 +110,7 @@ def test_reference_duplicates_count_twice(gen):
 def test_reference_chunks_and_low_precision(gen):
     B, M, N, G, hpg, D, T, bs = 2, 13, 40, 2, 4, 16, 4, 8
     q, k, v = rand(gen, B, M, G * hpg, D), rand(gen, B, N, G, D), rand(gen, B, N, G, D)
-    idx = draw_indices(gen, B, M, G, T, N, bs)
+    idx = nsa_indices(gen, B, M, G, T, N, bs)
     whole = reference.selection_attention(q, k, v, idx, None, bs, 0.25)
     chunked = reference.selection_attention(q, k, v, idx, None, bs, 0.25, chunk_elems=1)
     torch.testing.assert_close(whole, chunked)
@@ -138,7 +125,7 @@ def test_reference_chunks_and_low_precision(gen):
 def test_reference_out_buffers_returned_in_place(gen):
     B, M, N, G, D, bs = 1, 4, 16, 2, 8, 4
     q, k, v = rand(gen, B, M, 4, D), rand(gen, B, N, G, D), rand(gen, B, N, G, D)
-    idx = draw_indices(gen, B, M, G, 3, N, bs)
+    idx = nsa_indices(gen, B, M, G, 3, N, bs)
     out = torch.full_like(q, float("nan"))
     lse_big = torch.full((B, 4, M + 3), float("nan"))
     lse = lse_big[:, :, 1 : M + 1]  # a strided view

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mate
+from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 # ---------------------------------------------------------------- naive oracle
 
@@ -111,115 +112,6 @@ def call(query, key, value, kw, **extra):
     return mate.qsa_sparse_attention(query, key, value, **kw, **extra, return_lse=True, backend="reference")
 
 
-# ---------------------------------------------------------------- random problems
-
-
-def token_rows(gen, n, width, cap):
-    """Request-local token ids: valid ones, -1 anywhere (the middle too), duplicates, ids past the cache, empty rows."""
-    t = torch.randint(-1, cap + 3, (n, width), generator=gen, dtype=torch.int32)
-    if width >= 3:
-        t[:, width // 2] = -1  # a pad in the middle of every row
-        t[:, -1] = t[:, 0]  # a duplicate
-    if n:
-        t[0] = -1  # a row with nothing selected
-    return t
-
-
-def make_problem(gen, *, n_req=3, hq=4, hkv=2, d=16, width=7, dtype=torch.float32):
-    """A logical problem: per request its cache length, real query rows, K/V and token lists."""
-    caps = torch.randint(1, 12, (n_req,), generator=gen).tolist()
-    caps[-1] = 13
-    caps[0] = max(caps[0], 4)
-    rows = torch.randint(0, 5, (n_req,), generator=gen).tolist()
-    rows[0] = max(rows[0], 2)
-    reqs = []
-    for b in range(n_req):
-        reqs.append(dict(
-            rows=rows[b], cap=caps[b], seq_k=max(0, caps[b] - int(torch.randint(0, 3, (1,), generator=gen))),
-            q=torch.randn(rows[b], hq, d, generator=gen).to(dtype),
-            k=torch.randn(caps[b], hkv, d, generator=gen).to(dtype),
-            v=torch.randn(caps[b], hkv, d, generator=gen).to(dtype),
-            tok=token_rows(gen, rows[b], width, caps[b]),
-            pos=torch.randint(-2, caps[b] + 2, (rows[b],), generator=gen, dtype=torch.int32),
-            gate=torch.randn(rows[b], hq, d, generator=gen).to(dtype),
-        ))
-    # row 1 of request 0 sees token 0 under every option, so no problem is all-empty
-    reqs[0]["seq_k"] = caps[0]
-    reqs[0]["tok"][1, 0] = 0
-    reqs[0]["pos"][1] = caps[0] - 1
-    return reqs
-
-
-def padded_query(reqs, field, fill, gen=None):
-    """[B, Q, ...] with one padded row or more per request, filled with `fill` (random values when gen is given)."""
-    qmax = max(r["rows"] for r in reqs) + 1
-    like = reqs[0][field]
-    shape = (len(reqs), qmax, *like.shape[1:])
-    x = torch.randn(shape, generator=gen).to(like.dtype) if gen is not None else torch.full(shape, fill, dtype=like.dtype)
-    for b, r in enumerate(reqs):
-        x[b, : r["rows"]] = r[field]
-    return x
-
-
-def express_query(reqs, form, gen):
-    """Query-side tensors of a layout: padded [B, Q, ...] or flattened (cu_seqlens_q, or token_to_req with
-    the requests' rows interleaved). Also returns where each real row, in request order, lands."""
-    fields = dict(query="q", token_indices="tok", query_positions="pos", gate="gate")
-    if form == "padded":
-        t = dict(query=padded_query(reqs, "q", 0, gen), token_indices=padded_query(reqs, "tok", 1),  # padded rows select a real token: must still give 0
-                 query_positions=padded_query(reqs, "pos", 0), gate=padded_query(reqs, "gate", 0, gen))
-        qmax = t["query"].shape[1]
-        return t, {}, torch.cat([torch.arange(r["rows"]) + b * qmax for b, r in enumerate(reqs)])
-    t = {name: torch.cat([r[f] for r in reqs]) for name, f in fields.items()}
-    lens = torch.tensor([r["rows"] for r in reqs])
-    if form == "cu_seqlens":
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
-        return t, dict(cu_seqlens_q=cu), torch.arange(int(lens.sum()))
-    # interleave the requests at random, each request's rows keeping their order
-    req = torch.repeat_interleave(torch.arange(len(reqs)), lens)
-    shuffled = req[torch.randperm(req.numel(), generator=gen)]
-    perm = torch.empty_like(req)
-    where = torch.empty_like(req)
-    for b in range(len(reqs)):
-        slots, rows = torch.nonzero(shuffled == b).flatten(), torch.nonzero(req == b).flatten()
-        perm[slots], where[rows] = rows, slots
-    t = {name: x[perm] for name, x in t.items()}
-    return t, dict(token_to_req=shuffled.to(torch.int32), num_requests=len(reqs)), where
-
-
-def express_kv(reqs, form, gen, page_size=4):
-    """Key/value of a layout: padded [B, S, ...], paged with block_table, or flattened varlen with cu_seqlens_k."""
-    hkv, d = reqs[0]["k"].shape[1:]
-    dtype = reqs[0]["k"].dtype
-    if form == "padded":
-        smax = max(r["cap"] for r in reqs) + 2
-        k = torch.randn(len(reqs), smax, hkv, d, generator=gen).to(dtype)
-        v = torch.randn(len(reqs), smax, hkv, d, generator=gen).to(dtype)
-        for b, r in enumerate(reqs):
-            k[b, : r["cap"]], v[b, : r["cap"]] = r["k"], r["v"]
-        return k, v, {}
-    if form == "varlen":
-        lens = torch.tensor([r["cap"] for r in reqs])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
-        return torch.cat([r["k"] for r in reqs]), torch.cat([r["v"] for r in reqs]), dict(cu_seqlens_k=cu)
-    # paged: pages scattered through a pool with spare pages; unused table entries -1 or past the pool
-    need = [-(-r["cap"] // page_size) for r in reqs]
-    max_pages = max(need) + 1
-    pool = sum(need) + 3
-    ids = torch.randperm(pool, generator=gen).tolist()
-    k = torch.randn(pool, page_size, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(pool, page_size, hkv, d, generator=gen).to(dtype)
-    table = torch.full((len(reqs), max_pages), -1, dtype=torch.int32)
-    for b, r in enumerate(reqs):
-        for c in range(need[b]):
-            page = ids.pop()
-            table[b, c] = page
-            n = min(page_size, r["cap"] - c * page_size)
-            k[page, :n], v[page, :n] = r["k"][c * page_size : c * page_size + n], r["v"][c * page_size : c * page_size + n]
-        table[b, need[b]] = pool + 5 if b % 2 else -1  # a missing page right after the last real one
-    return k, v, dict(block_table=table, page_size=page_size)
-
-
 GEOMETRIES = [(2, 2), (4, 2), (24, 2), (16, 1)]  # GQA groups 1, 2, 12, 16
 
 
@@ -230,9 +122,9 @@ def test_reference_matches_naive_oracle(hq, hkv, q_form, kv_form):
     gen = torch.Generator().manual_seed(seed)
     flags = torch.randint(0, 2, (5,), generator=gen).tolist()
     width = [1, 6, 7, 8, 13, 19][seed % 6]
-    reqs = make_problem(gen, hq=hq, hkv=hkv, width=width)
-    qt, qkw, _ = express_query(reqs, q_form, gen)
-    key, value, kvkw = express_kv(reqs, kv_form, gen, page_size=[1, 3, 4, 16][seed % 4])
+    reqs = qsa_requests(gen, hq=hq, hkv=hkv, width=width)
+    qt, qkw, _ = qsa_query_layout(reqs, q_form, gen)
+    key, value, kvkw = qsa_kv_layout(reqs, kv_form, gen, page_size=[1, 3, 4, 16][seed % 4])
     kw = dict(token_indices=qt["token_indices"], **qkw, **kvkw)
     if q_form == "padded" or flags[0]:
         kw["seq_lens_q"] = torch.tensor([r["rows"] for r in reqs], dtype=torch.int32)
@@ -267,9 +159,9 @@ def test_physical_matches_naive_oracle(gen, hq, hkv):
 
 
 def test_bf16_inputs(gen):
-    reqs = make_problem(gen, hq=24, hkv=2, d=32, width=15, dtype=torch.bfloat16)
-    qt, qkw, _ = express_query(reqs, "padded", gen)
-    key, value, kvkw = express_kv(reqs, "paged", gen, page_size=4)
+    reqs = qsa_requests(gen, hq=24, hkv=2, d=32, width=15, dtype=torch.bfloat16)
+    qt, qkw, _ = qsa_query_layout(reqs, "padded", gen)
+    key, value, kvkw = qsa_kv_layout(reqs, "paged", gen, page_size=4)
     kw = dict(token_indices=qt["token_indices"], seq_lens_q=torch.tensor([r["rows"] for r in reqs], dtype=torch.int32),
               gate=qt["gate"][..., 0], **qkw, **kvkw)
     out, lse = call(qt["query"], key, value, kw)
@@ -298,38 +190,22 @@ def test_defaults_are_bottom_right():
 # ---------------------------------------------------------------- layouts agree
 
 
-def physical_form(reqs, kw_logical):
-    """The same problem as physical ids: the caller's causal filtering and page translation, done here."""
-    q = torch.cat([r["q"] for r in reqs])
-    k, v = torch.cat([r["k"] for r in reqs]), torch.cat([r["v"] for r in reqs])
-    start = 0
-    ids = []
-    for b, r in enumerate(reqs):
-        sk = r["seq_k"]
-        for i in range(r["rows"]):
-            p = sk - r["rows"] + i
-            row = [start + t if 0 <= t < min(sk, r["cap"]) and t <= p else (-1 if t % 2 else k.shape[0] + t) for t in r["tok"][i].tolist()]
-            ids.append(row)
-        start += r["cap"]
-    return q, k, v, torch.tensor(ids, dtype=torch.int32)
-
-
 def test_layouts_agree(gen):
-    reqs = make_problem(gen, n_req=4, hq=24, hkv=2, d=16, width=11)
+    reqs = qsa_requests(gen, n_req=4, hq=24, hkv=2, d=16, width=11)
     lens = dict(seq_lens_q=torch.tensor([r["rows"] for r in reqs], dtype=torch.int32),
                 seq_lens_k=torch.tensor([r["seq_k"] for r in reqs], dtype=torch.int32))
     results = {}
     for q_form, kv_form, page_size in [("padded", "padded", None), ("padded", "paged", 1), ("cu_seqlens", "paged", 3),
                                        ("token_to_req", "paged", 4), ("cu_seqlens", "paged", 16), ("padded", "varlen", None),
                                        ("token_to_req", "varlen", None), ("cu_seqlens", "padded", None)]:
-        qt, qkw, rows = express_query(reqs, q_form, gen)
-        key, value, kvkw = express_kv(reqs, kv_form, gen, page_size=page_size or 4)
+        qt, qkw, rows = qsa_query_layout(reqs, q_form, gen)
+        key, value, kvkw = qsa_kv_layout(reqs, kv_form, gen, page_size=page_size or 4)
         gate = qt["gate"][..., 0]
         out, lse = call(qt["query"], key, value, dict(token_indices=qt["token_indices"], gate=gate, **qkw, **kvkw, **lens))
         hq, d = out.shape[-2:]
         # the real rows, in request order
         results[(q_form, kv_form, page_size)] = (out.reshape(-1, hq, d)[rows], lse.reshape(-1, hq)[rows], gate.reshape(-1, hq)[rows])
-    q, k, v, ids = physical_form(reqs, lens)
+    q, k, v, ids = qsa_physical_layout(reqs, lens)
     first_gate = next(iter(results.values()))[2]
     out, lse = mate.qsa_sparse_attention(q, k, v, selected_kv_indices=ids, return_lse=True, backend="reference")
     results["physical"] = (out * torch.sigmoid(first_gate).unsqueeze(-1), lse, first_gate)
@@ -344,11 +220,11 @@ def test_layouts_agree(gen):
 
 def test_positions_agree_across_layouts(gen):
     """Explicit query_positions give the same answer whichever way the rows are laid out."""
-    reqs = make_problem(gen, n_req=3, hq=4, hkv=1, d=8, width=9)
+    reqs = qsa_requests(gen, n_req=3, hq=4, hkv=1, d=8, width=9)
     outs = []
     for q_form in ("padded", "cu_seqlens", "token_to_req"):
-        qt, qkw, rows = express_query(reqs, q_form, gen)
-        key, value, kvkw = express_kv(reqs, "paged", gen, page_size=2)
+        qt, qkw, rows = qsa_query_layout(reqs, q_form, gen)
+        key, value, kvkw = qsa_kv_layout(reqs, "paged", gen, page_size=2)
         kw = dict(token_indices=qt["token_indices"], query_positions=qt["query_positions"], **qkw, **kvkw)
         if q_form == "padded":
             kw["seq_lens_q"] = torch.tensor([r["rows"] for r in reqs], dtype=torch.int32)
@@ -727,9 +603,9 @@ def test_row_chunking_is_result_neutral(gen, monkeypatch):
     """The reference gathers K/V a few rows at a time under a memory budget; chunk boundaries change nothing."""
     from mate.qsa import reference
 
-    reqs = make_problem(gen, n_req=3, hq=4, hkv=2, d=8, width=9)
-    qt, qkw, _ = express_query(reqs, "cu_seqlens", gen)
-    key, value, kvkw = express_kv(reqs, "paged", gen, page_size=3)
+    reqs = qsa_requests(gen, n_req=3, hq=4, hkv=2, d=8, width=9)
+    qt, qkw, _ = qsa_query_layout(reqs, "cu_seqlens", gen)
+    key, value, kvkw = qsa_kv_layout(reqs, "paged", gen, page_size=3)
     kw = dict(token_indices=qt["token_indices"], gate=qt["gate"], **qkw, **kvkw)
     whole = call(qt["query"], key, value, kw)
     monkeypatch.setattr(reference, "_GATHER_BUDGET", 2 * 9 * 2 * 8)  # two rows per chunk

@@ -13,7 +13,7 @@ import torch
 
 import mate
 from helpers import capture_graph, poison_allocator
-from test_qsa_attention import express_kv, express_query, make_problem, physical_form
+from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -49,9 +49,9 @@ def run_both(q, k, v, kw, **native_kw):
 
 def logical_problem(seed, hq, hkv, width, q_form, kv_form, dtype, page_size=4, n_req=3):
     gen = torch.Generator().manual_seed(seed)
-    reqs = make_problem(gen, n_req=n_req, hq=hq, hkv=hkv, d=D, width=width, dtype=dtype)
-    tq, extra_q, _ = express_query(reqs, q_form, gen)
-    k, v, extra_kv = express_kv(reqs, kv_form, gen, page_size=page_size)
+    reqs = qsa_requests(gen, n_req=n_req, hq=hq, hkv=hkv, d=D, width=width, dtype=dtype)
+    tq, extra_q, _ = qsa_query_layout(reqs, q_form, gen)
+    k, v, extra_kv = qsa_kv_layout(reqs, kv_form, gen, page_size=page_size)
     return reqs, tq, extra_q, k, v, extra_kv
 
 
@@ -80,8 +80,8 @@ def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, widt
 @pytest.mark.parametrize("splits", [None, 1, 2])
 def test_physical(width, splits):
     gen = torch.Generator().manual_seed(width)
-    reqs = make_problem(gen, n_req=3, hq=24, hkv=2, d=D, width=width, dtype=torch.bfloat16)
-    q, k, v, ids = (x.cuda() for x in physical_form(reqs, {}))
+    reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=width, dtype=torch.bfloat16)
+    q, k, v, ids = (x.cuda() for x in qsa_physical_layout(reqs, {}))
     poison_allocator("cuda")
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:-1], float("nan"), device="cuda")

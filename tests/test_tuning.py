@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import mate  # noqa: F401  (registers the stages)
 from mate import _dispatch
 from tuning import cli, configfile
 from tuning.stages import TUNABLES, Tunable, candidates, rel_error

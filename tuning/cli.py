@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mate import _dispatch, precompile  # importing mate registers the stages
+from mate import _dispatch, precompile
 from tuning import configfile
 from tuning.stages import TUNABLES, candidates, rel_error
 

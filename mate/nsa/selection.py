@@ -26,11 +26,7 @@ kernels = _dispatch.lazy_module("mate.nsa.kernels.selection")  # imported, with 
 NATIVE_DIMS = (64, 128)
 NATIVE_BLOCK_SIZES = (32, 64)
 
-STAGE = _dispatch.register(
-    _dispatch.Stage(
-        "nsa_selection", "mate.nsa.kernels.selection", "nsa_selection_fwd", ("head_tile", "threads", "num_stages", "min_blocks"), "PASS_CONFIGS"
-    )
-)
+STAGE = _dispatch.STAGES["nsa_selection"]
 
 
 def nsa_selection_attention(

@@ -394,9 +394,7 @@ def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact,
 
 # ---------------------------------------------------------------- native path
 
-ATTENTION = _dispatch.register(
-    _dispatch.Stage("qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention", ("head_tile", "num_stages"), "PASS_CONFIGS")
-)
+ATTENTION = _dispatch.STAGES["qsa_attention"]
 MAX_SPLITS = 64
 
 

@@ -26,8 +26,8 @@ from mate.qsa import reference
 HEADS, DIM = 4, 128
 DECODE_PAGE_SIZES = (8, 16, 32, 64)
 
-LOGITS = _dispatch.register(_dispatch.Stage("mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits", ("block_rows", "block_keys", "threads", "num_stages")))
-DECODE = _dispatch.register(_dispatch.Stage("mqa_decode", "mate.qsa.kernels.mqa", "mqa_decode", ("block_keys", "threads")))
+LOGITS = _dispatch.STAGES["mqa_logits"]
+DECODE = _dispatch.STAGES["mqa_decode"]
 
 
 def _native_geometry(name: str, x: torch.Tensor) -> None:

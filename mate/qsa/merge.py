@@ -20,7 +20,7 @@ from mate import _dispatch
 from mate.qsa import reference
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
-STAGE = _dispatch.register(_dispatch.Stage("qsa_merge", "mate.qsa.kernels.sparse", "merge", ("threads",)))
+STAGE = _dispatch.STAGES["qsa_merge"]
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

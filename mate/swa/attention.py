@@ -32,9 +32,7 @@ LOG2E = 1.4426950408889634
 # between a query position and a key index (lengths are far below 2**30).
 UNBOUNDED = 1 << 30
 
-STAGE = _dispatch.register(
-    _dispatch.Stage("gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd", ("block_m", "block_n", "threads", "num_stages", "mma_depth"))
-)
+STAGE = _dispatch.STAGES["gqa_fwd"]
 
 
 def parse_window(sliding_window) -> tuple[int, int]:
