@@ -22,12 +22,12 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.qsa import reference
+from mate.qsa.kernels import mqa_card
+from mate.qsa.kernels.mqa_card import DIM, HEADS
+from mate.qsa.kernels.mqa_card import PAGE_SIZES as DECODE_PAGE_SIZES
 
-HEADS, DIM = 4, 128
-DECODE_PAGE_SIZES = (8, 16, 32, 64)
-
-LOGITS = _dispatch.register(_dispatch.Stage("mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits", ("block_rows", "block_keys", "threads", "num_stages")))
-DECODE = _dispatch.register(_dispatch.Stage("mqa_decode", "mate.qsa.kernels.mqa", "mqa_decode", ("block_keys", "threads")))
+LOGITS = _dispatch.register(mqa_card.LOGITS)
+DECODE = _dispatch.register(mqa_card.DECODE)
 
 
 def _native_geometry(name: str, x: torch.Tensor) -> None:

@@ -18,9 +18,10 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import reference
+from mate.qsa.kernels import sparse_card
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
-STAGE = _dispatch.register(_dispatch.Stage("qsa_merge", "mate.qsa.kernels.sparse", "merge", ("threads",)))
+STAGE = _dispatch.register(sparse_card.MERGE)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

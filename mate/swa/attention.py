@@ -25,16 +25,15 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.swa import reference
+from mate.swa.kernels import gqa_card
+from mate.swa.kernels.gqa_card import NATIVE_DIMS
 
-NATIVE_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 # Stands for an unbounded window side in the kernel: larger than any distance
 # between a query position and a key index (lengths are far below 2**30).
 UNBOUNDED = 1 << 30
 
-STAGE = _dispatch.register(
-    _dispatch.Stage("gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd", ("block_m", "block_n", "threads", "num_stages", "mma_depth"))
-)
+STAGE = _dispatch.register(gqa_card.STAGE)
 
 
 def parse_window(sliding_window) -> tuple[int, int]:
