@@ -140,7 +140,8 @@ def parse_key(key: str) -> dict:
 
 
 def validate_config(data, path) -> dict:
-    """Schema: {stage: {key: {param: positive int, ..., [measured: str]}}}."""
+    """Schema: {stage: {key: {param: positive int, ..., [measured: str]}}}; the names of each key and
+    the tile parameters of each entry are the stage card's."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of stage names, got {type(data).__name__}")
     for stage_name, entries in data.items():
@@ -152,9 +153,14 @@ def validate_config(data, path) -> dict:
         for key, entry in entries.items():
             where = f"{path}: {stage_name}.{key}"
             try:
-                parse_key(str(key))
+                names = tuple(parse_key(str(key)))
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
+            if names != STAGES[stage_name].keys:
+                # The wrappers look entries up by these names in this order: another key is never found.
+                raise ConfigError(
+                    f"{where}: specialization names {', '.join(names)}; {stage_name} keys are {', '.join(STAGES[stage_name].keys)}, in that order"
+                )
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: expected a mapping of tile parameters, got {entry!r}")
             for p in params:

@@ -50,6 +50,8 @@ def _write(tmp_path, data):
         ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": "64"}}}, r"\.block_keys: expected a positive integer"),
         ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": 64, "warps": 4}}}, "unknown tile parameter"),
         ({"mqa_decode": {"bfloat16": {"threads": 128, "block_keys": 64}}}, "name=value"),
+        ({"mqa_decode": {"dtype=bfloat16,page=16": {"threads": 128, "block_keys": 64}}}, "mqa_decode keys are dtype, page_size, in that order"),
+        ({"mqa_decode": {"page_size=16,dtype=bfloat16": {"threads": 128, "block_keys": 64}}}, "names page_size, dtype;"),
         ({"mqa_decode": []}, "non-empty mapping"),
         (["mqa_decode"], "mapping of stage names"),
     ],
