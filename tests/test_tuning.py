@@ -65,6 +65,14 @@ def test_limits_prune_with_the_reason(stage, spec, tiles, reason):
     assert why is not None and reason in why, why
 
 
+def test_qsa_shared_memory_model_is_the_generated_layout():
+    """215864 B: the dynamic buffer (210944 B, its last reduction workspace ends there) and the static
+    buffers of the generated CUDA of the 3-stage bfloat16 entries (token lists, valid flags, counts, mbarriers)."""
+    from mate.qsa.kernels import sparse_card
+
+    assert sparse_card.attention_smem(dict(dtype="bfloat16"), dict(head_tile=16, num_stages=3)) == 210944 + 4096 + 768 + 8 + 48
+
+
 def test_decide_never_picks_a_wrong_or_slower_candidate():
     cur, fast, faster_wrong = dict(b=64), dict(b=128), dict(b=256)
     results = [(cur, {"us": 10.0}), (fast, {"us": 9.0}), (faster_wrong, {"wrong": "relative error 1e-1"}), (dict(b=32), {"error": "x"})]
