@@ -27,6 +27,23 @@ def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
         assert {"quick", "full"} <= set(t.shapes), name
 
 
+@pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
+def test_card_names_the_program_and_its_arguments(stage):
+    """A card's specialization keys and tile parameters are its program's arguments; the geometry the MQA
+    programs take as defaults is the card's (the program body reads it from its arguments)."""
+    import importlib
+    import inspect
+
+    card = _dispatch.STAGES[stage]
+    params = inspect.signature(getattr(importlib.import_module(card.module), card.program)).parameters
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+    assert required == [*card.keys, *card.params]
+    if stage in ("mqa_logits", "mqa_decode"):
+        from mate.qsa.kernels import mqa_card
+
+        assert (params["heads"].default, params["dim"].default) == (mqa_card.HEADS, mqa_card.DIM)
+
+
 def test_enumeration_is_the_product_split_into_legal_and_pruned():
     t = Tunable("x", dict(a=(1, 2, 3), b=(10, 20)), lambda spec, tiles: "odd" if tiles["a"] % 2 else None, {}, None, 0.0)
     legal, pruned = candidates(t, {})
