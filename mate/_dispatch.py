@@ -12,12 +12,15 @@ import functools
 import importlib
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import yaml
+
+from mate._stage import Stage  # noqa: F401  (the card type, re-exported)
+from mate.nsa.kernels import selection_card
+from mate.qsa.kernels import mqa_card, sparse_card
+from mate.swa.kernels import gqa_card
 
 BACKENDS = ("tilelang", "reference")
 
@@ -39,43 +42,6 @@ def backend(value) -> str:
 
 
 # ---------------------------------------------------------------- tile configs
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A native stage: where its TileLang program lives and the tile parameters its config entries hold.
-
-    The program is named, not imported: `import mate` loads no TileLang (about a second
-    of TileLang and TVM), the first compile does. `getattr(module, program)(**spec, **tiles)`
-    returns a `T.prim_func`; `spec` is the specialization (dtype, page size, ...) named by
-    the config key, `tiles` the entry's values. `pass_configs` names the module's tuple of
-    TileLang pass options the program needs to compile as written.
-    """
-
-    name: str
-    module: str
-    program: str
-    params: tuple[str, ...]
-    pass_configs: str | None = None
-
-    def build(self, **kwargs):
-        return getattr(importlib.import_module(self.module), self.program)(**kwargs)
-
-    def pass_config_dict(self) -> dict | None:
-        return dict(getattr(importlib.import_module(self.module), self.pass_configs)) if self.pass_configs else None
-
-
-# Every native stage, in one place (the API modules look theirs up here; nothing registers itself on import).
-# Programs are named by module path, so this list loads no TileLang.
-STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits", ("block_rows", "block_keys", "threads", "num_stages")),
-    Stage("mqa_decode", "mate.qsa.kernels.mqa", "mqa_decode", ("block_keys", "threads")),
-    Stage("nsa_selection", "mate.nsa.kernels.selection", "nsa_selection_fwd", ("head_tile", "threads", "num_stages", "min_blocks"),
-          "PASS_CONFIGS"),
-    Stage("gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd", ("block_m", "block_n", "threads", "num_stages", "mma_depth")),
-    Stage("qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention", ("head_tile", "num_stages"), "PASS_CONFIGS"),
-    Stage("qsa_merge", "mate.qsa.kernels.sparse", "merge", ("threads",)),
-)}
 
 
 class _LazyModule:
@@ -128,7 +94,8 @@ def parse_key(key: str) -> dict:
 
 
 def validate_config(data, path) -> dict:
-    """Schema: {stage: {key: {param: positive int, ..., [measured: str]}}}."""
+    """Schema: {stage: {key: {param: positive int, ..., [measured: str]}}}; the names of each key and
+    the tile parameters of each entry are the stage card's."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of stage names, got {type(data).__name__}")
     for stage_name, entries in data.items():
@@ -140,9 +107,14 @@ def validate_config(data, path) -> dict:
         for key, entry in entries.items():
             where = f"{path}: {stage_name}.{key}"
             try:
-                parse_key(str(key))
+                names = tuple(parse_key(str(key)))
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
+            if names != STAGES[stage_name].keys:
+                # The wrappers look entries up by these names in this order: another key is never found.
+                raise ConfigError(
+                    f"{where}: specialization names {', '.join(names)}; {stage_name} keys are {', '.join(STAGES[stage_name].keys)}, in that order"
+                )
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: expected a mapping of tile parameters, got {entry!r}")
             for p in params:
@@ -284,3 +256,10 @@ def placeholder(device, dtype, ndim: int) -> torch.Tensor:
     if x is None:
         x = _placeholders[key] = torch.zeros((1,) * ndim, dtype=dtype, device=device)
     return x
+
+
+# Every native stage, in one place: each card lives beside its program (mate/<family>/kernels/<kernel>_card.py)
+# and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, gqa_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
+)}

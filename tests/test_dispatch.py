@@ -59,6 +59,8 @@ def _write(tmp_path, data):
         ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": "64"}}}, r"\.block_keys: expected a positive integer"),
         ({"mqa_decode": {"dtype=bfloat16,page_size=16": {"threads": 128, "block_keys": 64, "warps": 4}}}, "unknown tile parameter"),
         ({"mqa_decode": {"bfloat16": {"threads": 128, "block_keys": 64}}}, "name=value"),
+        ({"mqa_decode": {"dtype=bfloat16,page=16": {"threads": 128, "block_keys": 64}}}, "mqa_decode keys are dtype, page_size, in that order"),
+        ({"mqa_decode": {"page_size=16,dtype=bfloat16": {"threads": 128, "block_keys": 64}}}, "names page_size, dtype;"),
         ({"mqa_decode": []}, "non-empty mapping"),
         (["mqa_decode"], "mapping of stage names"),
     ],
@@ -143,6 +145,8 @@ import sys, torch, mate, mate.testing
 from mate import _dispatch
 loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
 assert not loaded(), ('import mate', loaded())
+from tuning import stages  # the tuner's entries read the stage cards, which need no TileLang
+assert not loaded(), ('the stage cards', loaded())
 q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 1, 64)
 mate.gqa_attention(q, k, k, backend='reference')
 try:

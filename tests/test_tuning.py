@@ -26,6 +26,23 @@ def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
         assert {"quick", "full"} <= set(t.shapes), name
 
 
+@pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
+def test_card_names_the_program_and_its_arguments(stage):
+    """A card's specialization keys and tile parameters are its program's arguments; the geometry the MQA
+    programs take as defaults is the card's (the program body reads it from its arguments)."""
+    import importlib
+    import inspect
+
+    card = _dispatch.STAGES[stage]
+    params = inspect.signature(getattr(importlib.import_module(card.module), card.program)).parameters
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+    assert required == [*card.keys, *card.params]
+    if stage in ("mqa_logits", "mqa_decode"):
+        from mate.qsa.kernels import mqa_card
+
+        assert (params["heads"].default, params["dim"].default) == (mqa_card.HEADS, mqa_card.DIM)
+
+
 def test_enumeration_is_the_product_split_into_legal_and_pruned():
     t = Tunable("x", dict(a=(1, 2, 3), b=(10, 20)), lambda spec, tiles: "odd" if tiles["a"] % 2 else None, {}, None, 0.0)
     legal, pruned = candidates(t, {})
@@ -62,6 +79,14 @@ def test_committed_entries_pass_their_stage_limits(stage, key):
 def test_limits_prune_with_the_reason(stage, spec, tiles, reason):
     why = TUNABLES[stage].limits(spec, tiles)
     assert why is not None and reason in why, why
+
+
+def test_qsa_shared_memory_model_is_the_generated_layout():
+    """215864 B: the dynamic buffer (210944 B, its last reduction workspace ends there) and the static
+    buffers of the generated CUDA of the 3-stage bfloat16 entries (token lists, valid flags, counts, mbarriers)."""
+    from mate.qsa.kernels import sparse_card
+
+    assert sparse_card.attention_smem(dict(dtype="bfloat16"), dict(head_tile=16, num_stages=3)) == 210944 + 4096 + 768 + 8 + 48
 
 
 def test_decide_never_picks_a_wrong_or_slower_candidate():

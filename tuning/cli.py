@@ -64,8 +64,12 @@ class Cache:
     def __init__(self, path: Path, stage: str, shapes: list[dict]):
         self.path = path
         self.data = json.loads(path.read_text()) if path.is_file() else {}
-        # A compile result holds for the kernel source it was built from, a timing also for its shapes.
-        source = hashlib.sha256(Path(importlib.util.find_spec(_dispatch.STAGES[stage].module).origin).read_bytes())
+        # A compile result holds for the kernel source it was built from (the program's module and its
+        # card's, which holds constants the program imports), a timing also for its shapes.
+        card = _dispatch.STAGES[stage]
+        source = hashlib.sha256()
+        for module in (card.module, card.limits.__module__):
+            source.update(Path(importlib.util.find_spec(module).origin).read_bytes())
         self.source = source.hexdigest()[:16]
         source.update(json.dumps(shapes, sort_keys=True).encode())
         self.timed = source.hexdigest()[:16]

@@ -1,14 +1,15 @@
 """What the tuner knows about each native stage, one `Tunable` per stage.
 
-A `Tunable` declares the stage's search space (values per tile parameter), the
-hardware limits a candidate must meet before it is compiled (shared memory,
-registers, the kernel's own shape rules), the problem shapes it is timed on
-(presets `quick` and `full`), and how to build one workload: inputs on the GPU
-and two calls, the native entrypoint and its reference. The tuner runs the
+A `Tunable` takes the stage's search space (values per tile parameter) and the
+limits a candidate must meet before it is compiled (shared memory, registers,
+the kernel's own shape rules) from the stage's card (mate/*/kernels/*_card.py),
+and adds the problem shapes it is timed on (presets `quick` and `full`) and how
+to build one workload: inputs on the GPU and two calls, the native entrypoint
+and its reference. The tuner runs the
 native call under each candidate's tiles (through the public API, so the
 wrapper sees the tiles too) and compares it with the reference.
 
-Adding a stage: one `Tunable(...)` entry in TUNABLES below.
+Adding a stage: its card, then one `Tunable(...)` entry in TUNABLES below.
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ from typing import Callable
 import torch
 
 import mate
-
-# Hopper (sm_90a) limits.
-SMEM_PER_CTA = 227 * 1024  # the opt-in maximum of one block's shared memory
-SMEM_PER_SM = 228 * 1024  # one multiprocessor's, of which 1 KB per resident block is reserved
-REGS_PER_SM = 65536
-MAX_REGS = 255
-WARPGROUP = 128  # wgmma is issued by warpgroups of 128 threads, each owning 64 rows of M
+from mate._dispatch import Stage
+from mate.nsa.kernels import selection_card
+from mate.qsa.kernels import mqa_card, sparse_card
+from mate.swa.kernels import gqa_card
 
 
 @dataclass(frozen=True)
@@ -45,6 +43,11 @@ class Tunable:
     # Largest accepted relative error (L2 norm over finite values) of each output against the reference.
     tol: float
 
+    @classmethod
+    def of(cls, card: Stage, **kw) -> "Tunable":
+        """The tuner's entry of a stage: space and limits from its card, the rest from `kw`."""
+        return cls(stage=card.name, space=card.space, limits=card.limits, **kw)
+
 
 def candidates(t: Tunable, spec: dict) -> tuple[list[dict], list[tuple[dict, str]]]:
     """The legal tile candidates of the space, and the pruned ones with the reason."""
@@ -60,33 +63,9 @@ def _dtype(spec: dict) -> torch.dtype:
     return getattr(torch, spec["dtype"])
 
 
-def _bytes(spec: dict) -> int:
-    return _dtype(spec).itemsize
-
-
-def _warpgroups(threads: int, rows: int, what: str) -> str | None:
-    if threads % WARPGROUP:
-        return f"threads {threads} is not whole warpgroups (wgmma)"
-    if rows % (64 * (threads // WARPGROUP)):
-        return f"{what} {rows} does not give each of {threads // WARPGROUP} warpgroups whole 64-row wgmma tiles"
-    return None
-
-
 # ---------------------------------------------------------------- MQA indexer: prefill / padded score logits
 
-HEADS, DIM = 4, 128  # the indexer's geometry (mate.qsa.kernels.mqa)
-
-
-def _logits_limits(spec, t):
-    if why := _warpgroups(t["threads"], t["block_rows"], "block_rows"):
-        return why
-    smem = _bytes(spec) * (HEADS * t["block_rows"] * DIM + t["num_stages"] * t["block_keys"] * DIM) + 2 * t["block_rows"] * 4
-    if smem > SMEM_PER_CTA:
-        return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    regs = 2 * t["block_rows"] * t["block_keys"] // t["threads"]  # S and acc, FP32
-    if regs + 64 > MAX_REGS:
-        return f"{regs} accumulator registers per thread leave too few of {MAX_REGS}"
-    return None
+HEADS, DIM = mqa_card.HEADS, mqa_card.DIM
 
 
 def _logits_workload(spec, shape):
@@ -102,10 +81,8 @@ def _logits_workload(spec, shape):
     return (lambda: mate.qsa_mqa_prefill(q, k, lo, hi), lambda: mate.qsa_mqa_prefill(q, k, lo, hi, backend="reference"))
 
 
-MQA_LOGITS = Tunable(
-    stage="mqa_logits",
-    space=dict(block_rows=(64, 128), block_keys=(64, 128, 256), threads=(128, 256), num_stages=(1, 2, 3)),
-    limits=_logits_limits,
+MQA_LOGITS = Tunable.of(
+    mqa_card.LOGITS,
     shapes=dict(
         quick=[dict(rows=4096, keys=4096)],
         full=[dict(rows=8192, keys=8192), dict(rows=1024, keys=8192), dict(rows=8192, keys=2048)],
@@ -116,23 +93,6 @@ MQA_LOGITS = Tunable(
 
 
 # ---------------------------------------------------------------- MQA indexer: paged decode
-
-
-def _decode_limits(spec, t):
-    if t["block_keys"] % spec["page_size"]:
-        return f"block_keys {t['block_keys']} is not a multiple of page_size {spec['page_size']}"
-    if (t["block_keys"] * DIM // 8) % t["threads"]:
-        return "threads do not split the tile's 16-byte loads evenly"
-    if why := _warpgroups(t["threads"], t["block_keys"], "block_keys"):
-        return why
-    smem = _bytes(spec) * (8 + t["block_keys"]) * DIM
-    if smem > SMEM_PER_CTA:
-        return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    # The gathered keys sit in registers before the shared-memory store, plus S (block_keys x 8 heads, FP32).
-    regs = t["block_keys"] * DIM * _bytes(spec) // 4 // t["threads"] + t["block_keys"] * 8 // t["threads"]
-    if regs + 64 > MAX_REGS:
-        return f"{regs} registers per thread for the gather and S leave too few of {MAX_REGS}"
-    return None
 
 
 def _decode_workload(spec, shape):
@@ -147,10 +107,8 @@ def _decode_workload(spec, shape):
             lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
 
 
-MQA_DECODE = Tunable(
-    stage="mqa_decode",
-    space=dict(block_keys=(64, 128, 256), threads=(128, 256)),
-    limits=_decode_limits,
+MQA_DECODE = Tunable.of(
+    mqa_card.DECODE,
     # Batches whose keys (batch x keys x 256 B) exceed the 60 MB L2, so the timing is of HBM reads.
     shapes=dict(quick=[dict(batch=32, keys=8192)], full=[dict(batch=32, keys=8192), dict(batch=128, keys=8192), dict(batch=8, keys=65536)]),
     workload=_decode_workload,
@@ -159,28 +117,6 @@ MQA_DECODE = Tunable(
 
 
 # ---------------------------------------------------------------- NSA selection attention
-
-
-def _nsa_limits(spec, t):
-    if t["threads"] != WARPGROUP:
-        return "the kernel's MMA tiles are sized for one consumer warpgroup (threads=128)"
-    if t["head_tile"] != 16:
-        return "head_tile below 16 would refuse the supported H/G = 16; above 16 wastes MMA columns"
-    d, ht = spec["dim"], t["head_tile"]
-    # As the kernel's generated CUDA lays it out: Q, the K and V rings (O goes through the first K
-    # stage), P, and the max and sum reductions' scratch (threads x head_tile/4 floats each, never
-    # merged, see the kernel's PASS_CONFIGS); static: the compacted block list, its count and the
-    # four mbarriers per stage.
-    smem = _bytes(spec) * (ht * d + t["num_stages"] * 2 * 64 * d + 64 * ht) + 2 * t["threads"] * (ht // 4) * 4
-    smem += 128 * 4 + 4 + 4 * t["num_stages"] * 8
-    if t["min_blocks"] * (smem + 1024) > SMEM_PER_SM:
-        return f"{t['min_blocks']} CTAs of {smem} B shared memory do not fit in one SM"
-    # A producer warpgroup runs beside the consumer: 2 x threads per CTA share the SM's registers.
-    cap = min(MAX_REGS, REGS_PER_SM // (2 * t["threads"] * t["min_blocks"]))
-    regs = (d * ht + 64 * ht * 2) // t["threads"] + 64 * ht // 2 // t["threads"]  # acc, S, row sums (FP32), P (16-bit)
-    if regs + 24 > cap:
-        return f"{t['min_blocks']} CTAs per SM cap registers at {cap} per thread, below {regs} + 24"
-    return None
 
 
 def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
@@ -224,10 +160,8 @@ def _nsa_workload(spec, shape):
             lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
 
 
-NSA_SELECTION = Tunable(
-    stage="nsa_selection",
-    space=dict(head_tile=(16,), threads=(128,), num_stages=(1, 2, 3, 4), min_blocks=(1, 2, 3, 4)),
-    limits=_nsa_limits,
+NSA_SELECTION = Tunable.of(
+    selection_card.STAGE,
     shapes=dict(quick=[dict(seq=8192, heads=128, kv_heads=8, selected=16)],
                 full=[dict(seq=32768, heads=128, kv_heads=8, selected=16), dict(seq=32768, heads=64, kv_heads=4, selected=16)]),
     workload=_nsa_workload,
@@ -236,25 +170,6 @@ NSA_SELECTION = Tunable(
 
 
 # ---------------------------------------------------------------- GQA attention, dense / sliding window
-
-
-def _gqa_limits(spec, t):
-    wgs = t["threads"] // WARPGROUP
-    if why := _warpgroups(t["threads"], t["block_m"], "block_m"):
-        return why
-    if wgs > 3:
-        return "more than 3 consumer warpgroups (plus the producer) exceed 512 threads"
-    if t["block_n"] % 16 or t["block_n"] > 256:
-        return f"block_n {t['block_n']} is not a wgmma N (multiple of 16, at most 256)"
-    d = spec["dim"]
-    smem = _bytes(spec) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d)  # Q (O reuses it), K and V rings
-    if smem > SMEM_PER_CTA:
-        return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    cap = 240 if wgs <= 2 else 160  # setmaxnreg of the consumers, as the kernel sets it
-    regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"]  # S, O (FP32) and P (16-bit)
-    if regs + 32 > cap:
-        return f"{regs} accumulator registers per consumer thread + 32 > {cap}"
-    return None
 
 
 def _gqa_workload(spec, shape):
@@ -268,10 +183,8 @@ def _gqa_workload(spec, shape):
             lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference"))
 
 
-GQA_FWD = Tunable(
-    stage="gqa_fwd",
-    space=dict(block_m=(64, 128, 192), block_n=(64, 128, 192), threads=(128, 256, 384), num_stages=(1, 2, 3), mma_depth=(1, 2)),
-    limits=_gqa_limits,
+GQA_FWD = Tunable.of(
+    gqa_card.STAGE,
     shapes=dict(quick=[dict(seq=4096, heads=64, kv_heads=8)],
                 full=[dict(seq=16384, heads=64, kv_heads=8), dict(seq=16384, heads=64, kv_heads=8, window=(512, 0))]),
     workload=_gqa_workload,
@@ -281,18 +194,7 @@ GQA_FWD = Tunable(
 
 # ---------------------------------------------------------------- QSA sparse attention and its SplitKV merge
 
-QSA_HQ, QSA_HKV, QSA_DIM, QSA_TILE = 24, 2, 256, 64  # canonical geometry (mate.qsa.kernels.sparse)
-
-
-def _qsa_limits(spec, t):
-    if t["head_tile"] < 16 or t["head_tile"] % 8:
-        return f"head_tile {t['head_tile']} must be a multiple of 8 (wgmma N) holding a group of up to 16 heads"
-    # Q and P tiles, the K/V ring, reduction workspaces; token lists, flags and barriers are static (about 5 KB).
-    smem = _bytes(spec) * (t["head_tile"] * QSA_DIM + 2 * t["num_stages"] * QSA_TILE * QSA_DIM + QSA_TILE * t["head_tile"])
-    smem += 4096 + 5 * 1024
-    if smem > SMEM_PER_CTA:
-        return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    return None
+QSA_HQ, QSA_HKV, QSA_DIM = sparse_card.CANONICAL_GEOMETRY
 
 
 def _qsa_workload(spec, shape):
@@ -316,10 +218,8 @@ def _qsa_workload(spec, shape):
             lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
 
 
-QSA_ATTENTION = Tunable(
-    stage="qsa_attention",
-    space=dict(head_tile=(16,), num_stages=(1, 2, 3)),
-    limits=_qsa_limits,
+QSA_ATTENTION = Tunable.of(
+    sparse_card.ATTENTION,
     # batch 256: 512 CTAs (wide); the narrow keys run batch 16 (32 CTAs, 128 with 4 splits)
     shapes=dict(quick=[dict(batch=256, context=32768, width=2051)],
                 full=[dict(batch=256, context=32768, width=2051), dict(batch=128, context=16384, width=2051)]),
@@ -337,10 +237,8 @@ def _merge_workload(spec, shape):
             lambda: mate.merge_attention_states(po, pl, out_dtype=odt, backend="reference"))
 
 
-QSA_MERGE = Tunable(
-    stage="qsa_merge",
-    space=dict(threads=(64, 128, 256)),
-    limits=lambda spec, t: None,
+QSA_MERGE = Tunable.of(
+    sparse_card.MERGE,
     shapes=dict(quick=[dict(splits=8, rows=64)], full=[dict(splits=8, rows=64), dict(splits=16, rows=8)]),
     workload=_merge_workload,
     tol=1e-2,

@@ -21,10 +21,8 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.nsa import reference
+from mate.nsa.kernels.selection_card import NATIVE_BLOCK_SIZES, NATIVE_DIMS
 kernels = _dispatch.lazy_module("mate.nsa.kernels.selection")  # imported, with TileLang, at the first native call
-
-NATIVE_DIMS = (64, 128)
-NATIVE_BLOCK_SIZES = (32, 64)
 
 STAGE = _dispatch.STAGES["nsa_selection"]
 

@@ -39,11 +39,11 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.qsa import merge, reference
+from mate.qsa.kernels import sparse_card
+from mate.qsa.kernels.sparse_card import CANONICAL_GEOMETRY, MAX_GROUP
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
-CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D
-NATIVE_DIM = 256
-MAX_GROUP = 16
+NATIVE_DIM = sparse_card.DIM
 MAX_HINT_BLOCKS = 512
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -22,9 +22,8 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.qsa import reference
-
-HEADS, DIM = 4, 128
-DECODE_PAGE_SIZES = (8, 16, 32, 64)
+from mate.qsa.kernels.mqa_card import DIM, HEADS
+from mate.qsa.kernels.mqa_card import PAGE_SIZES as DECODE_PAGE_SIZES
 
 LOGITS = _dispatch.STAGES["mqa_logits"]
 DECODE = _dispatch.STAGES["mqa_decode"]

@@ -25,8 +25,8 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.swa import reference
+from mate.swa.kernels.gqa_card import NATIVE_DIMS
 
-NATIVE_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 # Stands for an unbounded window side in the kernel: larger than any distance
 # between a query position and a key index (lengths are far below 2**30).

@@ -56,11 +56,10 @@ import tilelang.language as T
 from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
+from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
 
 NEG_INF = -T.infinity("float32")
 LOG2E = 1.4426950408889634
-TILE_KEYS = 64  # wgmma's M per warpgroup
-MAX_SLOTS = 128  # capacity of the compacted list (T <= 128); small enough for 3 CTAs per SM
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own reductions there use 1 and 2)
 # The program places its own barriers (mbarriers between the roles, named barriers inside the
 # consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter. Its

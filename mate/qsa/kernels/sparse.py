@@ -58,13 +58,12 @@ from tvm import tirx
 from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
+from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
 M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an all-masked tile is 1
 LOG2E = 1.4426950408889634
-TILE = 64  # tokens per tile: wgmma's M per warpgroup
-DIM = 256
 
 # flags bits
 HAS_SEQ_LENS_Q = 1
@@ -81,7 +80,6 @@ WRITE_LSE = 128
 # metadata is range-checked in the kernel, and the cp.async zero-fill needs the bare
 # predicate that safe-memory legalization would wrap.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True), ("tl.disable_safe_memory_legalize", True))
-DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
 PER_THREAD = DECODE_TILES * TILE // 128  # slots each producer thread decodes per chunk
 CONSUMER_BARRIER = 1  # the same 128 threads as TileLang's consumer reductions (ids 1 and 2)
 PRODUCER_BARRIER = 3

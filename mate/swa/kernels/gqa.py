@@ -63,7 +63,7 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
 
 import tilelang.language as T
 
-WINDOWS = ("none", "causal", "local")
+from mate.swa.kernels.gqa_card import WINDOWS
 LN2 = 0.6931471805599453
 
 

@@ -1,0 +1,48 @@
+"""The stage card type: what the dispatcher, the config checks and the tuner know of a native stage."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A native stage's card: where its TileLang program lives, its tile search space, its
+    specialization keys and the limits a tile candidate must meet.
+
+    Each kernel module has its card beside it (`mate/<family>/kernels/<kernel>_card.py`),
+    importable without TileLang, and the constants the program and the card's resource
+    model share live in the card (the program imports them), so the two cannot drift.
+    The dispatcher, the config checks and the tuner read the card.
+
+    The program is named, not imported: `import mate` loads no TileLang (about a second
+    of TileLang and TVM), the first compile does. `getattr(module, program)(**spec, **tiles)`
+    returns a `T.prim_func`; `spec` is the specialization (dtype, page size, ...) named by
+    the config key, whose names are `keys`, and `tiles` the entry's values, one of each of
+    `space`'s parameters. `pass_configs` names the module's tuple of TileLang pass options
+    the program needs to compile as written.
+    """
+
+    name: str
+    module: str
+    program: str
+    # tile parameter -> the values mate-tune searches; a config entry holds one value of each
+    space: dict[str, tuple[int, ...]]
+    # the specialization's names, in config-key order (`dtype=bfloat16,page_size=16`)
+    keys: tuple[str, ...]
+    # (spec, tiles) -> why the candidate cannot run or would spill (the resource model and the
+    # program's own shape rules), or None when legal
+    limits: Callable[[dict, dict], str | None]
+    pass_configs: str | None = None
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(self.space)
+
+    def build(self, **kwargs):
+        return getattr(importlib.import_module(self.module), self.program)(**kwargs)
+
+    def pass_config_dict(self) -> dict | None:
+        return dict(getattr(importlib.import_module(self.module), self.pass_configs)) if self.pass_configs else None

@@ -1,0 +1,61 @@
+"""Stage cards of the QSA MQA indexer (mate.qsa.kernels.mqa): `mqa_logits` and `mqa_decode`.
+
+Importable without TileLang: the API and the tuner read these; the resource models
+follow the programs' buffers (Q and K tiles in shared memory, the score tiles in
+FP32 registers).
+"""
+
+from mate._stage import Stage
+from mate._hopper import MAX_REGS, SMEM_PER_CTA, itemsize, warpgroups
+
+HEADS, DIM = 4, 128  # the indexer's geometry: the programs' `heads` and `dim`
+HEADS_MMA = max(8, HEADS)  # the decode MMA's N is at least 8: heads padded with zero rows
+LOAD_ELEMS = 8  # 16-bit elements per 16-byte load
+PAGE_SIZES = (8, 16, 32, 64)  # decode's page sizes, one specialization each
+SPARE_REGS = 64  # registers per thread kept beside the tiles (addresses, indices, loop state)
+
+
+def _logits_limits(spec, t):
+    if why := warpgroups(t["threads"], t["block_rows"], "block_rows"):
+        return why
+    # Q (all heads) and the K ring, plus the rows' lo / hi (int32)
+    smem = itemsize(spec["dtype"]) * (HEADS * t["block_rows"] * DIM + t["num_stages"] * t["block_keys"] * DIM) + 2 * t["block_rows"] * 4
+    if smem > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    regs = 2 * t["block_rows"] * t["block_keys"] // t["threads"]  # S and acc, FP32
+    if regs + SPARE_REGS > MAX_REGS:
+        return f"{regs} accumulator registers per thread leave too few of {MAX_REGS}"
+    return None
+
+
+def _decode_limits(spec, t):
+    if t["block_keys"] % spec["page_size"]:
+        return f"block_keys {t['block_keys']} is not a multiple of page_size {spec['page_size']}"
+    if (t["block_keys"] * DIM // LOAD_ELEMS) % t["threads"]:
+        return "threads do not split the tile's 16-byte loads evenly"
+    if why := warpgroups(t["threads"], t["block_keys"], "block_keys"):
+        return why
+    nbytes = itemsize(spec["dtype"])
+    smem = nbytes * (HEADS_MMA + t["block_keys"]) * DIM  # Q (padded heads) and the gathered K tile
+    if smem > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    # The gathered keys sit in registers before the shared-memory store, plus S (block_keys x padded heads, FP32).
+    regs = t["block_keys"] * DIM * nbytes // 4 // t["threads"] + t["block_keys"] * HEADS_MMA // t["threads"]
+    if regs + SPARE_REGS > MAX_REGS:
+        return f"{regs} registers per thread for the gather and S leave too few of {MAX_REGS}"
+    return None
+
+
+LOGITS = Stage(
+    "mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits",
+    space=dict(block_rows=(64, 128), block_keys=(64, 128, 256), threads=(128, 256), num_stages=(1, 2, 3)),
+    keys=("dtype", "even_keys"),
+    limits=_logits_limits,
+)
+
+DECODE = Stage(
+    "mqa_decode", "mate.qsa.kernels.mqa", "mqa_decode",
+    space=dict(block_keys=(64, 128, 256), threads=(128, 256)),
+    keys=("dtype", "page_size"),
+    limits=_decode_limits,
+)

@@ -1,0 +1,50 @@
+"""Stage cards of QSA sparse core attention and its SplitKV merge (mate.qsa.kernels.sparse).
+
+Importable without TileLang. The program imports the constants below, so its
+buffers and the resource model are computed from the same numbers.
+"""
+
+from mate._stage import Stage
+from mate._hopper import SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
+
+TILE = 64  # tokens per tile: wgmma's M per warpgroup
+DIM = 256
+MAX_GROUP = 16  # query heads per KV head: head_tile pads the group to the wgmma N
+DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
+CONSUMER_THREADS = WARPGROUP  # one consumer warpgroup, beside the producer one
+CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D: the geometry of warp_specialized, the tuner and the benchmarks
+
+
+def attention_smem(spec: dict, t: dict) -> int:
+    """Shared memory of one CTA in bytes, as the program lays it out (the generated CUDA agrees, 16-byte
+    alignment of the static buffers aside): Q and P tiles, the K/V ring, the max and sum reductions'
+    scratch (never merged: PASS_CONFIGS); static: the ring's token-valid flags, the decoded token
+    lists (page and slot), two counts, a full and an empty mbarrier per stage."""
+    ht, ns = t["head_tile"], t["num_stages"]
+    smem = itemsize(spec["dtype"]) * (ht * DIM + 2 * ns * TILE * DIM + TILE * ht) + 2 * reduction_scratch(CONSUMER_THREADS, ht)
+    return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 2 * ns * 8
+
+
+def _attention_limits(spec, t):
+    if t["head_tile"] < MAX_GROUP or t["head_tile"] % 8:
+        return f"head_tile {t['head_tile']} must be a multiple of 8 (wgmma N) holding a group of up to {MAX_GROUP} heads"
+    if (smem := attention_smem(spec, t)) > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    return None
+
+
+ATTENTION = Stage(
+    "qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention",
+    space=dict(head_tile=(16,), num_stages=(1, 2, 3)),
+    # wide: the grid has at least two CTAs per SM (a shallow ring lets two share one)
+    keys=("dtype", "split", "wide"),
+    limits=_attention_limits,
+    pass_configs="PASS_CONFIGS",
+)
+
+MERGE = Stage(
+    "qsa_merge", "mate.qsa.kernels.sparse", "merge",
+    space=dict(threads=(64, 128, 256)),
+    keys=("pdtype", "odtype"),
+    limits=lambda spec, t: None,  # one CTA per (row, head): every thread count of the space fits
+)

@@ -1,0 +1,47 @@
+"""Stage card of GQA forward attention, dense or sliding window (mate.swa.kernels.gqa).
+
+Importable without TileLang. The resource model follows the program's buffers: Q
+(O reuses it), the K and V rings in shared memory; S, O (FP32) and P (16-bit) in
+the consumer warpgroups' registers.
+"""
+
+from mate._stage import Stage
+from mate._hopper import SMEM_PER_CTA, WARPGROUP, itemsize, warpgroups
+
+WINDOWS = ("none", "causal", "local")  # the window classes, one specialization each
+NATIVE_DIMS = (64, 128)
+MAX_CONSUMERS = 3  # consumer warpgroups; with the producer's, 512 threads
+WGMMA_N_MAX = 256
+SPARE_REGS = 32  # registers per consumer thread kept beside the accumulators (addresses, indices, loop state)
+
+
+def consumer_regs_cap(warpgroups: int) -> int:
+    """The registers per consumer thread that TileLang's `setmaxnreg` gives the consumers."""
+    return 240 if warpgroups <= 2 else 160
+
+
+def _limits(spec, t):
+    wgs = t["threads"] // WARPGROUP
+    if why := warpgroups(t["threads"], t["block_m"], "block_m"):
+        return why
+    if wgs > MAX_CONSUMERS:
+        return f"more than {MAX_CONSUMERS} consumer warpgroups (plus the producer) exceed 512 threads"
+    if t["block_n"] % 16 or t["block_n"] > WGMMA_N_MAX:
+        return f"block_n {t['block_n']} is not a wgmma N (multiple of 16, at most {WGMMA_N_MAX})"
+    d = spec["dim"]
+    smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d)  # Q (O reuses it), K and V rings
+    if smem > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    cap = consumer_regs_cap(wgs)
+    regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"]  # S, O (FP32) and P (16-bit)
+    if regs + SPARE_REGS > cap:
+        return f"{regs} accumulator registers per consumer thread + {SPARE_REGS} > {cap}"
+    return None
+
+
+STAGE = Stage(
+    "gqa_fwd", "mate.swa.kernels.gqa", "gqa_fwd",
+    space=dict(block_m=(64, 128, 192), block_n=(64, 128, 192), threads=(128, 256, 384), num_stages=(1, 2, 3), mma_depth=(1, 2)),
+    keys=("dtype", "dim", "window"),
+    limits=_limits,
+)
