@@ -272,7 +272,7 @@ def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, to
             raise ValueError("lse= is the output buffer of selected_kv_indices (physical ids); logical calls use return_lse=True")
         if token_indices is None:
             raise ValueError("pass token_indices (request-local token ids) or selected_kv_indices (physical ids); got neither")
-        n_req = _requests(query, cu_seqlens_q, token_to_req, num_requests)
+        n_req = C.requests("query", query, "Hq", cu_seqlens_q, token_to_req, num_requests)
         _block_hint(query, token_indices, block_indices, assume_compact_blocks)
         kv_layout = _kv_layout(key, n_req, block_table, page_size, cu_seqlens_k)
         _row_metadata(query, n_req, seq_lens_q, seq_lens_k, query_positions, gate)
@@ -322,18 +322,6 @@ def _physical(query, key, selected_kv_indices, logical: dict, assume_compact_blo
         raise ValueError(f"selected_kv_indices must have {rows} rows (one per query row), got shape {tuple(selected_kv_indices.shape)}")
 
 
-def _requests(query, cu_seqlens_q, token_to_req, num_requests) -> int:
-    """The number of requests behind the query rows (padded [B, Q, ...] or flattened with request metadata)."""
-    if query.dim() == 3:
-        return C.flattened_requests("query [total_q, Hq, D]", query.shape[0], cu_seqlens_q, token_to_req, num_requests)
-    if cu_seqlens_q is not None or token_to_req is not None:
-        raise ValueError("cu_seqlens_q and token_to_req apply to flattened query [total_q, Hq, D], not padded [B, Q, Hq, D]")
-    n_req = query.shape[0]
-    if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
-        raise ValueError(f"num_requests is {num_requests} but padded query holds {n_req} requests")
-    return n_req
-
-
 def _block_hint(query, token_indices, block_indices, assume_compact_blocks: bool) -> None:
     row_shape = tuple(query.shape[:-2])
     C.int32("token_indices", token_indices, ndim=len(row_shape) + 1)
@@ -367,9 +355,7 @@ def _kv_layout(key, n_req: int, block_table, page_size, cu_seqlens_k) -> str:
     if block_table is not None:
         if key.dim() != 4:
             raise ValueError(f"paged key must be [pages, page_size, Hkv, D], got shape {tuple(key.shape)}")
-        C.int32("block_table", block_table, ndim=2)
-        if block_table.shape[0] != n_req:
-            raise ValueError(f"block_table must have one row per request ({n_req}), got shape {tuple(block_table.shape)}")
+        C.block_table_rows(block_table, n_req)
         if page_size is not None and C.positive_int("page_size", page_size) != key.shape[1]:
             raise ValueError(f"page_size is {page_size} but key pages hold {key.shape[1]} tokens")
         if key.shape[1] == 0:
