@@ -66,6 +66,27 @@ def flattened_requests(what: str, rows: int, cu_seqlens_q, token_to_req, num_req
     return positive_int("num_requests", num_requests)
 
 
+def requests(name: str, x: torch.Tensor, heads: str, cu_seqlens_q, token_to_req, num_requests) -> int:
+    """Number of requests behind x's rows: padded [B, Q, heads, D] holds B, flattened [total_q, heads, D]
+    names them with cu_seqlens_q or token_to_req (see flattened_requests)."""
+    if x.dim() == 3:
+        return flattened_requests(f"{name} [total_q, {heads}, D]", x.shape[0], cu_seqlens_q, token_to_req, num_requests)
+    if cu_seqlens_q is not None or token_to_req is not None:
+        raise ValueError(
+            f"cu_seqlens_q and token_to_req apply to flattened {name} [total_q, {heads}, D], not padded [B, Q, {heads}, D]"
+        )
+    n_req = x.shape[0]
+    if num_requests is not None and positive_int("num_requests", num_requests) != n_req:
+        raise ValueError(f"num_requests is {num_requests} but padded {name} holds {n_req} requests")
+    return n_req
+
+
+def block_table_rows(block_table, n_req: int) -> None:
+    int32("block_table", block_table, ndim=2)
+    if block_table.shape[0] != n_req:
+        raise ValueError(f"block_table must have one row per request ({n_req}), got shape {tuple(block_table.shape)}")
+
+
 def same_device(**tensors: torch.Tensor | None) -> None:
     items = [(n, t) for n, t in tensors.items() if t is not None]
     first_name, first = items[0]

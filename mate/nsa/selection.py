@@ -16,6 +16,8 @@ each. A query with nothing visible gets output 0 and LSE -inf.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mate import _checks as C
@@ -54,6 +56,32 @@ def nsa_selection_attention(
     backend="reference": the FP32 PyTorch oracle, any device, dtype, D and
     block_size.
     """
+    problem = _resolve(**locals())  # first statement: locals() is exactly the parameters
+    return _native(problem) if problem.backend == "tilelang" else _reference(problem)
+
+
+class Problem(NamedTuple):
+    """One nsa_selection_attention call, resolved and checked (immutable, built once per call);
+    spec and target are set for backend='tilelang' only."""
+
+    backend: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    block_indices: torch.Tensor
+    block_counts: torch.Tensor | None
+    block_size: int
+    scale: float
+    group_heads: int
+    out: torch.Tensor | None
+    lse: torch.Tensor | None
+    spec: dict | None
+    target: str | None
+
+
+def _resolve(q, k, v, block_indices, *, block_size, block_counts, scale, out, lse, backend) -> Problem:
+    """Every check of nsa_selection_attention, in one order: inputs, indices, scalars, output
+    buffers, devices and overlap, the debug value checks, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q", q, ndim=4)
     C.floating("q", q)
@@ -88,13 +116,15 @@ def nsa_selection_attention(
         n_blocks = -(-N // block_size)
         _debug.in_range("block_indices", block_indices, -1, n_blocks, f" (k holds {n_blocks} blocks of {block_size})")
         _debug.lengths("block_counts", block_counts, n_slots, "slots a row holds")
+    spec = target = None
+    if backend == "tilelang":
+        spec, target = _native_limits(q, k, v, out, n_slots, block_size, group_heads)
+    return Problem(backend, q, k, v, block_indices, block_counts, block_size, mult, group_heads, out, lse, spec, target)
 
-    if backend == "reference":
-        o_ref, lse_ref = reference.selection_attention(q, k, v, block_indices, block_counts, block_size, mult)
-        out = o_ref.to(q.dtype) if out is None else out.copy_(o_ref)
-        lse = lse_ref if lse is None else lse.copy_(lse_ref)
-        return out, lse
 
+def _native_limits(q, k, v, out, n_slots: int, block_size: int, group_heads: int) -> tuple[dict, str]:
+    """What the native kernel runs (raises ValueError for the rest); returns its specialization and target."""
+    D = q.shape[-1]
     C.native_dtype("q", q)
     if D not in NATIVE_DIMS:
         raise ValueError(
@@ -119,33 +149,45 @@ def nsa_selection_attention(
     spec = {"dtype": str(q.dtype).removeprefix("torch."), "dim": D, "block_size": block_size}
     tiles = _dispatch.tiles(STAGE.name, spec, target)
     if group_heads > tiles["head_tile"]:
+        H, G = q.shape[2], k.shape[2]
         raise ValueError(
             f"backend='tilelang' supports up to {tiles['head_tile']} query heads per KV group, got H/G = {H}/{G} = {group_heads}; "
             "use backend='reference'"
         )
-    if out is None:
-        out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
+    return spec, target
+
+
+def _reference(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    o_ref, lse_ref = reference.selection_attention(p.q, p.k, p.v, p.block_indices, p.block_counts, p.block_size, p.scale)
+    out = o_ref.to(p.q.dtype) if p.out is None else p.out.copy_(o_ref)
+    lse = lse_ref if p.lse is None else p.lse.copy_(lse_ref)
+    return out, lse
+
+
+def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    q, block_counts = p.q, p.block_counts
+    B, M, H, D = q.shape
+    out = torch.empty(B, M, H, D, dtype=q.dtype, device=q.device) if p.out is None else p.out
+    lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device) if p.lse is None else p.lse
     if B * M * H == 0:
         return out, lse
-    if N == 0 or n_slots == 0:  # nothing can be visible
+    if p.k.shape[1] == 0 or p.block_indices.shape[3] == 0:  # nothing can be visible
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kern = _dispatch.kernel(STAGE.name, spec, target)
+    kern = _dispatch.kernel(STAGE.name, p.spec, p.target)
     # Without block_counts the kernel never reads its counts argument; any int32 [B, M, G] view will do.
-    counts = block_counts if block_counts is not None else block_indices[..., 0]
+    counts = block_counts if block_counts is not None else p.block_indices[..., 0]
     kern(
         C.canonical_unit_strides(q),
-        C.canonical_unit_strides(k),
-        C.canonical_unit_strides(v),
-        block_indices,
+        C.canonical_unit_strides(p.k),
+        C.canonical_unit_strides(p.v),
+        p.block_indices,
         counts,
         C.canonical_unit_strides(out),
         lse,
-        mult,
-        group_heads,
+        p.scale,
+        p.group_heads,
         int(block_counts is not None),
     )
     return out, lse

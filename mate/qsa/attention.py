@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -174,6 +175,69 @@ def qsa_sparse_attention(
     feature stride and 16-byte aligned base and outer strides. No host synchronization: the
     native path can be captured in a CUDA graph and replayed with new metadata values.
     """
+    problem = resolve(**locals())  # first statement: locals() is exactly the parameters
+    return native(problem) if problem.backend == "tilelang" else reference_run(problem)
+
+
+class Problem(NamedTuple):
+    """One qsa_sparse_attention call, resolved and checked: all that reference_run() and native() read.
+
+    `indices` is token_indices (logical) or selected_kv_indices (physical); kv_layout is "padded",
+    "paged", "varlen" (reference only) or "physical"; n_req is None for physical ids. For
+    backend='tilelang' the rest holds the target and the row views the kernels take (query,
+    indices, hint, positions, out, lse and gate with their batch/query axes as one row axis,
+    FP32 gate per element, out and lse allocated where the caller passed none).
+
+    Immutable and built once per call; a NamedTuple because a frozen dataclass costs about
+    2 us more to build, which launch-bound decode calls would feel.
+    """
+
+    backend: str
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    indices: torch.Tensor
+    kv_layout: str
+    n_req: int | None
+    scale: float
+    block_indices: torch.Tensor | None
+    compact: bool
+    cu_seqlens_q: torch.Tensor | None
+    token_to_req: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    seq_lens_q: torch.Tensor | None
+    seq_lens_k: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    block_table: torch.Tensor | None
+    gate: torch.Tensor | None
+    num_splits: int | None
+    return_lse: bool
+    out: torch.Tensor | None
+    lse: torch.Tensor | None
+    rows: NativeRows | None = None
+
+
+class NativeRows(NamedTuple):
+    """The native call's target, its results (query-shaped out, lse or None) and their row views."""
+
+    target: str
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    q: torch.Tensor
+    indices: torch.Tensor
+    block_indices: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    o: torch.Tensor
+    lse_rows: torch.Tensor  # the placeholder when no lse is wanted
+    gate: torch.Tensor  # FP32 [rows, Hq, D], or the placeholder
+
+
+def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k,
+            seq_lens_q, seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, return_lse, backend,
+            warp_specialized, assume_compact_blocks, out, selected_kv_indices, softmax_scale, k_scale, v_scale,
+            compute_dtype, lse) -> Problem:
+    """Every check of qsa_sparse_attention, in one order: flags, Q/K/V, the physical or logical
+    arguments, output buffers, devices and overlap, the debug value checks, the native limits."""
     backend = _dispatch.backend(backend)
     return_lse = C.flag("return_lse", return_lse)
     warp_specialized = C.flag("warp_specialized", warp_specialized)
@@ -196,111 +260,22 @@ def qsa_sparse_attention(
         raise ValueError(f"query heads must be a positive multiple of key heads, got Hq = {hq} and Hkv = {hkv}")
     mult = _softmax_scale(scale, softmax_scale, dim)
 
-    physical = selected_kv_indices is not None
-    padded_q = query.dim() == 4
-    rows = query.shape[0] if not padded_q else None
-    if physical:
+    if selected_kv_indices is not None:
         logical = dict(token_indices=token_indices, block_indices=block_indices, cu_seqlens_q=cu_seqlens_q,
                        token_to_req=token_to_req, num_requests=num_requests, cu_seqlens_k=cu_seqlens_k,
                        seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k, query_positions=query_positions,
                        block_table=block_table, page_size=page_size, gate=gate)
-        for name, v in logical.items():
-            if v is not None:
-                raise ValueError(
-                    f"{name} cannot be combined with selected_kv_indices: physical ids take no token_indices, "
-                    "block hint, request, page or causal metadata, and no gate"
-                )
-        if assume_compact_blocks:
-            raise ValueError("assume_compact_blocks describes block_indices and cannot be combined with selected_kv_indices")
-        if padded_q:
-            raise ValueError(f"selected_kv_indices needs flattened query [rows, Hq, D], got shape {tuple(query.shape)}")
-        if key.dim() != 3:
-            raise ValueError(
-                f"selected_kv_indices needs flattened key/value [N, Hkv, D], got key shape {tuple(key.shape)} "
-                "(a paged pool [pages, page_size, Hkv, D] flattens to key.flatten(0, 1), ids page * page_size + slot)"
-            )
-        C.int32("selected_kv_indices", selected_kv_indices, ndim=2)
-        if selected_kv_indices.shape[0] != rows:
-            raise ValueError(f"selected_kv_indices must have {rows} rows (one per query row), got shape {tuple(selected_kv_indices.shape)}")
-        indices, n_req = selected_kv_indices, None
-        kv_layout = "physical"
+        _physical(query, key, selected_kv_indices, logical, assume_compact_blocks)
+        indices, kv_layout, n_req = selected_kv_indices, "physical", None
     else:
         if lse is not None:
             raise ValueError("lse= is the output buffer of selected_kv_indices (physical ids); logical calls use return_lse=True")
         if token_indices is None:
             raise ValueError("pass token_indices (request-local token ids) or selected_kv_indices (physical ids); got neither")
-        # ---- query rows and requests
-        if padded_q:
-            if cu_seqlens_q is not None or token_to_req is not None:
-                raise ValueError("cu_seqlens_q and token_to_req apply to flattened query [total_q, Hq, D], not padded [B, Q, Hq, D]")
-            n_req = query.shape[0]
-            if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
-                raise ValueError(f"num_requests is {num_requests} but padded query holds {n_req} requests")
-        else:
-            n_req = C.flattened_requests("query [total_q, Hq, D]", rows, cu_seqlens_q, token_to_req, num_requests)
-        row_shape = tuple(query.shape[:-2])
-        # ---- indices and the block hint
-        C.int32("token_indices", token_indices, ndim=len(row_shape) + 1)
-        if tuple(token_indices.shape[:-1]) != row_shape:
-            raise ValueError(f"token_indices must have shape {row_shape} + (width,), got {tuple(token_indices.shape)}")
-        width = token_indices.shape[-1]
-        if block_indices is not None:
-            C.int32("block_indices", block_indices, ndim=len(row_shape) + 1)
-            nb = block_indices.shape[-1]
-            if tuple(block_indices.shape[:-1]) != row_shape:
-                raise ValueError(f"block_indices must have shape {row_shape} + (blocks,), got {tuple(block_indices.shape)}")
-            if not 1 <= nb <= MAX_HINT_BLOCKS:
-                raise ValueError(
-                    f"block_indices must hold 1 to {MAX_HINT_BLOCKS} blocks per row, got {nb}; "
-                    "wider selections use token_indices alone"
-                )
-            if width != 4 * nb + 3:
-                raise ValueError(
-                    f"token_indices width must be 4 * block_indices width + 3 = {4 * nb + 3} with the block hint, got {width}; "
-                    "omit block_indices for other widths"
-                )
-        elif assume_compact_blocks:
-            raise ValueError("assume_compact_blocks=True is a promise about block_indices; pass block_indices with it")
-        # ---- K/V layout
-        if block_table is not None and cu_seqlens_k is not None:
-            raise ValueError("pass block_table (paged K/V) or cu_seqlens_k (flattened varlen K/V), not both")
-        if block_table is not None:
-            kv_layout = "paged"
-            if key.dim() != 4:
-                raise ValueError(f"paged key must be [pages, page_size, Hkv, D], got shape {tuple(key.shape)}")
-            C.int32("block_table", block_table, ndim=2)
-            if block_table.shape[0] != n_req:
-                raise ValueError(f"block_table must have one row per request ({n_req}), got shape {tuple(block_table.shape)}")
-            if page_size is not None and C.positive_int("page_size", page_size) != key.shape[1]:
-                raise ValueError(f"page_size is {page_size} but key pages hold {key.shape[1]} tokens")
-            if key.shape[1] == 0:
-                raise ValueError("paged key must have a positive page size, got key.shape[1] = 0")
-        else:
-            if page_size is not None:
-                raise ValueError("page_size applies to paged key/value and needs block_table")
-            if cu_seqlens_k is not None:
-                kv_layout = "varlen"
-                if key.dim() != 3:
-                    raise ValueError(f"with cu_seqlens_k, key must be flattened [total_k, Hkv, D], got shape {tuple(key.shape)}")
-                C.int32("cu_seqlens_k", cu_seqlens_k, shape=(n_req + 1,))
-            else:
-                kv_layout = "padded"
-                if key.dim() != 4 or key.shape[0] != n_req:
-                    raise ValueError(
-                        f"key must be padded [B, S, Hkv, D] with B = {n_req} requests (or paged with block_table, "
-                        f"or flattened with cu_seqlens_k), got shape {tuple(key.shape)}"
-                    )
-        C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
-        C.optional_int32("seq_lens_k", seq_lens_k, shape=(n_req,))
-        C.optional_int32("query_positions", query_positions, shape=row_shape)
-        if gate is not None:
-            C.tensor("gate", gate)
-            C.floating("gate", gate)
-            if tuple(gate.shape) not in (tuple(query.shape[:-1]), tuple(query.shape)):
-                raise ValueError(
-                    f"gate must have shape {tuple(query.shape[:-1])} (per head) or {tuple(query.shape)} (per element), "
-                    f"got {tuple(gate.shape)}"
-                )
+        n_req = C.requests("query", query, "Hq", cu_seqlens_q, token_to_req, num_requests)
+        _block_hint(query, token_indices, block_indices, assume_compact_blocks)
+        kv_layout = _kv_layout(key, n_req, block_table, page_size, cu_seqlens_k)
+        _row_metadata(query, n_req, seq_lens_q, seq_lens_k, query_positions, gate)
         indices = token_indices
 
     if out is not None:
@@ -316,28 +291,103 @@ def qsa_sparse_attention(
     if _debug.enabled():
         _debug_values(query, key, indices, kv_layout, n_req, block_indices, assume_compact_blocks, cu_seqlens_q,
                       token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, block_table)
-
+    rows = None
     if backend == "tilelang":
         _native_limits(query, key, value, kv_layout, warp_specialized, num_splits)
-        return _native(
-            query, key, value, indices, kv_layout=kv_layout, n_req=n_req, block_indices=block_indices,
-            compact=assume_compact_blocks, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
-            seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k, query_positions=query_positions,
-            block_table=block_table, scale=mult, gate=gate, num_splits=num_splits, return_lse=return_lse,
-            out=out, lse=lse,
+        rows = _native_rows(query, indices, block_indices, query_positions, gate, out, lse, return_lse)
+    return Problem(backend, query, key, value, indices, kv_layout, n_req, mult, block_indices, assume_compact_blocks,
+                   cu_seqlens_q, token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table, gate,
+                   num_splits, return_lse, out, lse, rows)
+
+
+def _physical(query, key, selected_kv_indices, logical: dict, assume_compact_blocks: bool) -> None:
+    for name, v in logical.items():
+        if v is not None:
+            raise ValueError(
+                f"{name} cannot be combined with selected_kv_indices: physical ids take no token_indices, "
+                "block hint, request, page or causal metadata, and no gate"
+            )
+    if assume_compact_blocks:
+        raise ValueError("assume_compact_blocks describes block_indices and cannot be combined with selected_kv_indices")
+    if query.dim() == 4:
+        raise ValueError(f"selected_kv_indices needs flattened query [rows, Hq, D], got shape {tuple(query.shape)}")
+    if key.dim() != 3:
+        raise ValueError(
+            f"selected_kv_indices needs flattened key/value [N, Hkv, D], got key shape {tuple(key.shape)} "
+            "(a paged pool [pages, page_size, Hkv, D] flattens to key.flatten(0, 1), ids page * page_size + slot)"
+        )
+    C.int32("selected_kv_indices", selected_kv_indices, ndim=2)
+    rows = query.shape[0]
+    if selected_kv_indices.shape[0] != rows:
+        raise ValueError(f"selected_kv_indices must have {rows} rows (one per query row), got shape {tuple(selected_kv_indices.shape)}")
+
+
+def _block_hint(query, token_indices, block_indices, assume_compact_blocks: bool) -> None:
+    row_shape = tuple(query.shape[:-2])
+    C.int32("token_indices", token_indices, ndim=len(row_shape) + 1)
+    if tuple(token_indices.shape[:-1]) != row_shape:
+        raise ValueError(f"token_indices must have shape {row_shape} + (width,), got {tuple(token_indices.shape)}")
+    width = token_indices.shape[-1]
+    if block_indices is None:
+        if assume_compact_blocks:
+            raise ValueError("assume_compact_blocks=True is a promise about block_indices; pass block_indices with it")
+        return
+    C.int32("block_indices", block_indices, ndim=len(row_shape) + 1)
+    nb = block_indices.shape[-1]
+    if tuple(block_indices.shape[:-1]) != row_shape:
+        raise ValueError(f"block_indices must have shape {row_shape} + (blocks,), got {tuple(block_indices.shape)}")
+    if not 1 <= nb <= MAX_HINT_BLOCKS:
+        raise ValueError(
+            f"block_indices must hold 1 to {MAX_HINT_BLOCKS} blocks per row, got {nb}; "
+            "wider selections use token_indices alone"
+        )
+    if width != 4 * nb + 3:
+        raise ValueError(
+            f"token_indices width must be 4 * block_indices width + 3 = {4 * nb + 3} with the block hint, got {width}; "
+            "omit block_indices for other widths"
         )
 
-    res, res_lse = reference.sparse_attention(
-        query, key, value, indices, physical=physical, n_req=n_req, cu_seqlens_q=cu_seqlens_q,
-        token_to_req=token_to_req, cu_seqlens_k=cu_seqlens_k, seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k,
-        query_positions=query_positions, block_table=block_table, scale=mult,
-    )
-    res = reference.apply_gate(res, gate)
-    out = res.to(query.dtype) if out is None else out.copy_(res)
-    res_lse = res_lse if lse is None else lse.copy_(res_lse)
-    return (out, res_lse) if return_lse else out
+
+def _kv_layout(key, n_req: int, block_table, page_size, cu_seqlens_k) -> str:
+    """'paged', 'varlen' or 'padded', with the metadata that layout needs checked."""
+    if block_table is not None and cu_seqlens_k is not None:
+        raise ValueError("pass block_table (paged K/V) or cu_seqlens_k (flattened varlen K/V), not both")
+    if block_table is not None:
+        if key.dim() != 4:
+            raise ValueError(f"paged key must be [pages, page_size, Hkv, D], got shape {tuple(key.shape)}")
+        C.block_table_rows(block_table, n_req)
+        if page_size is not None and C.positive_int("page_size", page_size) != key.shape[1]:
+            raise ValueError(f"page_size is {page_size} but key pages hold {key.shape[1]} tokens")
+        if key.shape[1] == 0:
+            raise ValueError("paged key must have a positive page size, got key.shape[1] = 0")
+        return "paged"
+    if page_size is not None:
+        raise ValueError("page_size applies to paged key/value and needs block_table")
+    if cu_seqlens_k is not None:
+        if key.dim() != 3:
+            raise ValueError(f"with cu_seqlens_k, key must be flattened [total_k, Hkv, D], got shape {tuple(key.shape)}")
+        C.int32("cu_seqlens_k", cu_seqlens_k, shape=(n_req + 1,))
+        return "varlen"
+    if key.dim() != 4 or key.shape[0] != n_req:
+        raise ValueError(
+            f"key must be padded [B, S, Hkv, D] with B = {n_req} requests (or paged with block_table, "
+            f"or flattened with cu_seqlens_k), got shape {tuple(key.shape)}"
+        )
+    return "padded"
 
 
+def _row_metadata(query, n_req: int, seq_lens_q, seq_lens_k, query_positions, gate) -> None:
+    C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
+    C.optional_int32("seq_lens_k", seq_lens_k, shape=(n_req,))
+    C.optional_int32("query_positions", query_positions, shape=tuple(query.shape[:-2]))
+    if gate is not None:
+        C.tensor("gate", gate)
+        C.floating("gate", gate)
+        if tuple(gate.shape) not in (tuple(query.shape[:-1]), tuple(query.shape)):
+            raise ValueError(
+                f"gate must have shape {tuple(query.shape[:-1])} (per head) or {tuple(query.shape)} (per element), "
+                f"got {tuple(gate.shape)}"
+            )
 def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -392,6 +442,19 @@ def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact,
         _debug.block_hint(indices, block_indices, compact)
 
 
+def reference_run(p: Problem):
+    res, res_lse = reference.sparse_attention(
+        p.query, p.key, p.value, p.indices, physical=p.kv_layout == "physical", n_req=p.n_req,
+        cu_seqlens_q=p.cu_seqlens_q, token_to_req=p.token_to_req, cu_seqlens_k=p.cu_seqlens_k,
+        seq_lens_q=p.seq_lens_q, seq_lens_k=p.seq_lens_k, query_positions=p.query_positions,
+        block_table=p.block_table, scale=p.scale,
+    )
+    res = reference.apply_gate(res, p.gate)
+    out = res.to(p.query.dtype) if p.out is None else p.out.copy_(res)
+    res_lse = res_lse if p.lse is None else p.lse.copy_(res_lse)
+    return (out, res_lse) if p.return_lse else out
+
+
 # ---------------------------------------------------------------- native path
 
 ATTENTION = _dispatch.STAGES["qsa_attention"]
@@ -427,15 +490,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, compact, cu_seqlens_q, token_to_req,
-            seq_lens_q, seq_lens_k, query_positions, block_table, scale, gate, num_splits, return_lse, out, lse):
+
+def _native_rows(query, indices, block_indices, query_positions, gate, out, lse, return_lse) -> NativeRows:
+    """The target and the row views the kernels take; allocates out and lse where the caller passed none."""
     target = _dispatch.target_of(query, "query")
     dev = query.device
     lead = query.dim() - 2
-    hq, dim = query.shape[-2:]
-    hkv = key.shape[-2]
     q = _rows("query", query, lead)
-    rows = q.shape[0]
     ti = _rows("token_indices", indices, lead)
     bi = _rows("block_indices", block_indices, lead)
     qp = None if query_positions is None else _rows("query_positions", query_positions.unsqueeze(-1), lead).squeeze(-1)
@@ -448,58 +509,70 @@ def _native(query, key, value, indices, *, kv_layout, n_req, block_indices, comp
     lse_rows = _rows("lse", lse, lead) if want_lse else _dispatch.placeholder(dev, torch.float32, 2)
     if gate is not None:
         g = _rows("gate", gate, lead).float()
-        g = g if g.dim() == 3 else g.unsqueeze(-1).expand(rows, hq, dim)
+        g = g if g.dim() == 3 else g.unsqueeze(-1).expand(q.shape[0], *query.shape[-2:])
     else:
         g = _dispatch.placeholder(dev, torch.float32, 3)
+    return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g)
 
-    k4, v4 = (key.unsqueeze(0), value.unsqueeze(0)) if kv_layout == "physical" else (key, value)
+
+def native(p: Problem):
+    r = p.rows
+    dev = p.query.device
+    hq, dim = p.query.shape[-2:]
+    hkv = p.key.shape[-2]
+    rows = r.q.shape[0]
+    want_lse = r.lse is not None
+    k4, v4 = (p.key.unsqueeze(0), p.value.unsqueeze(0)) if p.kv_layout == "physical" else (p.key, p.value)
     flags = (
-        (kernels.HAS_SEQ_LENS_Q if seq_lens_q is not None else 0)
-        | (kernels.HAS_SEQ_LENS_K if seq_lens_k is not None else 0)
-        | (kernels.HAS_POSITIONS if qp is not None else 0)
-        | (kernels.PAGED if kv_layout == "paged" else 0)
-        | (kernels.HAS_BLOCKS if bi is not None else 0)
-        | (kernels.COMPACT_BLOCKS if compact else 0)
-        | (kernels.HAS_GATE if gate is not None else 0)
+        (kernels.HAS_SEQ_LENS_Q if p.seq_lens_q is not None else 0)
+        | (kernels.HAS_SEQ_LENS_K if p.seq_lens_k is not None else 0)
+        | (kernels.HAS_POSITIONS if r.query_positions is not None else 0)
+        | (kernels.PAGED if p.kv_layout == "paged" else 0)
+        | (kernels.HAS_BLOCKS if r.block_indices is not None else 0)
+        | (kernels.COMPACT_BLOCKS if p.compact else 0)
+        | (kernels.HAS_GATE if p.gate is not None else 0)
         | (kernels.WRITE_LSE if want_lse else 0)
     )
-    if kv_layout == "physical":
+    if p.kv_layout == "physical":
         row_mode, rowmap = kernels.ROW_PHYSICAL, None
-    elif lead == 2:
+    elif p.query.dim() == 4:
         row_mode, rowmap = kernels.ROW_PADDED, None
-    elif cu_seqlens_q is not None:
-        row_mode, rowmap = kernels.ROW_CU, cu_seqlens_q
+    elif p.cu_seqlens_q is not None:
+        row_mode, rowmap = kernels.ROW_CU, p.cu_seqlens_q
     else:
-        row_mode, rowmap = kernels.ROW_TOKEN_TO_REQ, token_to_req
-    q_len = query.shape[1] if lead == 2 else 1
-    width = ti.shape[-1]
+        row_mode, rowmap = kernels.ROW_TOKEN_TO_REQ, p.token_to_req
+    q_len = p.query.shape[1] if p.query.dim() == 4 else 1
+    width = r.indices.shape[-1]
     tiles = -(-width // kernels.TILE)
     sms = _sm_count(dev.index)
+    num_splits = p.num_splits
     if num_splits is None:
-        num_splits = 1 if kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
+        num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
     splits = max(1, min(num_splits, tiles))
     chunk = -(-tiles // splits) * kernels.TILE
+    result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0 or hq == 0:
-        return (out, lse) if return_lse else out
+        return result
     if width == 0:  # nothing selected anywhere
-        o.zero_()
+        r.o.zero_()
         if want_lse:
-            lse_rows.fill_(float("-inf"))
-        return (out, lse) if return_lse else out
+            r.lse_rows.fill_(float("-inf"))
+        return result
 
     # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
     # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
     wide = rows * hkv * splits >= 2 * sms
-    spec = {"dtype": str(query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
-    attend = _dispatch.kernel(ATTENTION.name, spec, target)
+    spec = {"dtype": str(p.query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
+    attend = _dispatch.kernel(ATTENTION.name, spec, r.target)
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
-    meta = (ti, opt(bi, 2), opt(block_table, 2), opt(rowmap, 1), opt(seq_lens_q, 1), opt(seq_lens_k, 1), opt(qp, 1), g)
-    args = (scale, row_mode, flags, n_req or 1, q_len, chunk)
+    meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
+            opt(p.seq_lens_k, 1), opt(r.query_positions, 1), r.gate)
+    args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1:
-        attend(q, k4, v4, *meta, o, lse_rows, *args)
+        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
-        attend(q, k4, v4, *meta, part_o, part_lse, *args)
-        merge.launch(part_o, part_lse, g, o, lse_rows, flags, target)
-    return (out, lse) if return_lse else out
+        attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
+        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target)
+    return result

@@ -16,6 +16,7 @@ row cannot see scores -inf. Three entrypoints:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,35 @@ def qsa_indexer_mqa_score(
     score_scale divides them (not both); the default is 1/sqrt(D). Block j
     is visible to position p iff block_size*j + block_size - 1 <= p.
     """
+    problem = _resolve_score(**locals())  # first statement: locals() is exactly the parameters
+    return _score_native(problem) if problem.backend == "tilelang" else _score_reference(problem)
+
+
+class ScoreProblem(NamedTuple):
+    """One qsa_indexer_mqa_score call, resolved and checked (immutable, built once per call).
+
+    keys: block_keys, paged ones as [pages, page_size, D]; n_keys: N_B; target: set for
+    backend='tilelang' only."""
+
+    backend: str
+    q_idx: torch.Tensor
+    keys: torch.Tensor
+    block_table: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    token_to_req: torch.Tensor | None
+    n_req: int
+    query_positions: torch.Tensor | None
+    seq_lens_q: torch.Tensor | None
+    block_size: int
+    scale: float
+    n_keys: int
+    target: str | None
+
+
+def _resolve_score(q_idx, block_keys, *, block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
+                   query_positions, seq_lens_q, block_size, scale, score_scale, backend) -> ScoreProblem:
+    """Every check of qsa_indexer_mqa_score, in one order: inputs, requests, key layout, metadata,
+    devices, the debug value checks, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q_idx", q_idx, ndim=(3, 4))
     C.floating("q_idx", q_idx)
@@ -108,41 +138,28 @@ def qsa_indexer_mqa_score(
     mult = C.score_multiplier(scale, score_scale, dim)
     block_size = C.positive_int("block_size", block_size)
     varlen = q_idx.dim() == 3
-
-    if varlen:
-        rows = q_idx.shape[0]
-        n_req = C.flattened_requests("q_idx [total_q, H, D]", rows, cu_seqlens_q, token_to_req, num_requests)
-        pos_shape = (rows,)
-    else:
-        if cu_seqlens_q is not None or token_to_req is not None:
-            raise ValueError("cu_seqlens_q and token_to_req apply to flattened q_idx [total_q, H, D], not padded [B, Q, H, D]")
-        n_req = q_idx.shape[0]
-        if num_requests is not None and C.positive_int("num_requests", num_requests) != n_req:
-            raise ValueError(f"num_requests is {num_requests} but padded q_idx holds {n_req} requests")
-        pos_shape = tuple(q_idx.shape[:2])
+    n_req = C.requests("q_idx", q_idx, "H", cu_seqlens_q, token_to_req, num_requests)
 
     paged = block_table is not None
     if paged:
-        C.int32("block_table", block_table, ndim=2)
-        if block_table.shape[0] != n_req:
-            raise ValueError(f"block_table must have one row per request ({n_req}), got shape {tuple(block_table.shape)}")
+        C.block_table_rows(block_table, n_req)
         if block_keys.dim() == 4 and block_keys.shape[2] != 1:
             raise ValueError(f"paged block_keys must be [pages, page_size, 1, D] or [pages, page_size, D], got {tuple(block_keys.shape)}")
         if page_size is not None and C.positive_int("page_size", page_size) != block_keys.shape[1]:
             raise ValueError(f"page_size is {page_size} but block_keys pages hold {block_keys.shape[1]} keys")
         if block_keys.shape[1] == 0:
             raise ValueError("paged block_keys must have a positive page size")
-        cache = block_keys.reshape(block_keys.shape[0], block_keys.shape[1], block_keys.shape[-1])
+        keys = block_keys.reshape(block_keys.shape[0], block_keys.shape[1], block_keys.shape[-1])
         n_keys = block_table.shape[1] * block_keys.shape[1]
     else:
         if page_size is not None:
             raise ValueError("page_size applies to paged block_keys and needs block_table")
         if block_keys.dim() != 3 or block_keys.shape[0] != n_req:
             raise ValueError(f"block_keys must be [B, N_B, D] with B = {n_req} requests, got {tuple(block_keys.shape)}")
-        n_keys = block_keys.shape[1]
+        keys, n_keys = block_keys, block_keys.shape[1]
     if block_keys.shape[-1] != dim:
         raise ValueError(f"block_keys has feature dim {block_keys.shape[-1]} but q_idx has {dim}")
-    C.optional_int32("query_positions", query_positions, shape=pos_shape)
+    C.optional_int32("query_positions", query_positions, shape=tuple(q_idx.shape[:-2]))
     C.optional_int32("seq_lens_q", seq_lens_q, shape=(n_req,))
     C.same_device(q_idx=q_idx, block_keys=block_keys, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                   token_to_req=token_to_req, query_positions=query_positions, seq_lens_q=seq_lens_q)
@@ -151,37 +168,44 @@ def qsa_indexer_mqa_score(
         if varlen:
             _debug.request_rows(rows, n_req, cu_seqlens_q, token_to_req)
         if paged:
-            _debug.in_range("block_table", block_table, -1, cache.shape[0], f" (the pool holds {cache.shape[0]} pages)")
+            _debug.in_range("block_table", block_table, -1, keys.shape[0], f" (the pool holds {keys.shape[0]} pages)")
         _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
 
-    if backend == "reference":
-        return _score_reference(q_idx, block_keys if not paged else cache, block_table, cu_seqlens_q, token_to_req,
-                                n_req, query_positions, seq_lens_q, block_size, mult, n_keys)
+    target = None
+    if backend == "tilelang":
+        if varlen:
+            raise ValueError(
+                "varlen q_idx [total_q, 4, 128] requires backend='reference'; use qsa_mqa_prefill for native packed rows"
+            )
+        if paged:
+            raise ValueError("paged block_keys require backend='reference' here; native paged scoring uses qsa_mqa_decode")
+        _native_geometry("q_idx", q_idx)
+        C.vector_layout("q_idx", q_idx)
+        C.vector_layout("block_keys", block_keys)
+        target = _dispatch.target_of(q_idx, "q_idx")
+    return ScoreProblem(backend, q_idx, keys, block_table, cu_seqlens_q, token_to_req, n_req, query_positions,
+                        seq_lens_q, block_size, mult, n_keys, target)
 
-    if varlen:
-        raise ValueError(
-            "varlen q_idx [total_q, 4, 128] requires backend='reference'; use qsa_mqa_prefill for native packed rows"
-        )
-    if paged:
-        raise ValueError("paged block_keys require backend='reference' here; native paged scoring uses qsa_mqa_decode")
-    _native_geometry("q_idx", q_idx)
-    C.vector_layout("q_idx", q_idx)
-    C.vector_layout("block_keys", block_keys)
-    target = _dispatch.target_of(q_idx, "q_idx")
-    B, Q = pos_shape
+
+def _score_native(p: ScoreProblem) -> torch.Tensor:
+    B, Q = p.q_idx.shape[:2]
+    query_positions = p.query_positions
     if query_positions is None:
-        query_positions = torch.arange(Q, device=q_idx.device, dtype=torch.int32).expand(B, Q)
-    hi = reference.causal_block_limit(query_positions, block_size)
-    if seq_lens_q is not None:
-        rows = torch.arange(Q, device=q_idx.device)
-        hi = torch.where(rows < seq_lens_q.unsqueeze(-1), hi, 0)
-    hi = hi.clamp_max(n_keys).to(torch.int32)
+        query_positions = torch.arange(Q, device=p.q_idx.device, dtype=torch.int32).expand(B, Q)
+    hi = reference.causal_block_limit(query_positions, p.block_size)
+    if p.seq_lens_q is not None:
+        rows = torch.arange(Q, device=p.q_idx.device)
+        hi = torch.where(rows < p.seq_lens_q.unsqueeze(-1), hi, 0)
+    hi = hi.clamp_max(p.n_keys).to(torch.int32)
     lo = torch.zeros_like(hi)
-    return _logits(q_idx, block_keys, lo, hi, mult, target)
+    return _logits(p.q_idx, p.keys, lo, hi, p.scale, p.target)
 
 
-def _score_reference(q, keys, table, cu, t2r, n_req, positions, seq_lens, block_size, scale, n_keys):
+def _score_reference(p: ScoreProblem) -> torch.Tensor:
     """Scores of every layout, one request at a time."""
+    q, keys, table, cu, t2r, positions, seq_lens = (p.q_idx, p.keys, p.block_table, p.cu_seqlens_q, p.token_to_req,
+                                                    p.query_positions, p.seq_lens_q)
+    n_req, block_size, scale, n_keys = p.n_req, p.block_size, p.scale, p.n_keys
     out = q.new_full((*q.shape[:-2], n_keys), float("-inf"), dtype=torch.float32)
     if table is not None:
         keys, exists = reference.gather_pages(keys, table, n_keys)
@@ -231,6 +255,27 @@ def qsa_mqa_prefill(
     multiplies them (not both); the default is 1/sqrt(dim). Native: BF16/FP16,
     heads 4, dim 128, the vector-load layout rule on q and k.
     """
+    problem = _resolve_prefill(**locals())  # first statement: locals() is exactly the parameters
+    if problem.backend == "reference":
+        return reference.mqa_logits(problem.q, problem.k, problem.row_starts, problem.row_ends, problem.scale)
+    return _prefill_native(problem)
+
+
+class PrefillProblem(NamedTuple):
+    """One qsa_mqa_prefill call, resolved and checked; k as [keys, dim], target for backend='tilelang' only."""
+
+    backend: str
+    q: torch.Tensor
+    k: torch.Tensor
+    row_starts: torch.Tensor
+    row_ends: torch.Tensor
+    scale: float
+    target: str | None
+
+
+def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, backend) -> PrefillProblem:
+    """Every check of qsa_mqa_prefill, in one order: inputs, row bounds, devices, the debug value
+    checks, the scale, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q", q, ndim=3)
     C.floating("q", q)
@@ -250,14 +295,17 @@ def qsa_mqa_prefill(
             _debug.in_range(name, x, 0, k.shape[0] + 1, f" (k holds {k.shape[0]} keys)")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     k2 = k.reshape(k.shape[0], k.shape[-1]) if k.dim() == 3 else k
+    target = None
+    if backend == "tilelang":
+        _native_geometry("q", q)
+        C.vector_layout("q", q)
+        C.vector_layout("k", k)
+        target = _dispatch.target_of(q, "q")
+    return PrefillProblem(backend, q, k2, row_starts, row_ends, mult, target)
 
-    if backend == "reference":
-        return reference.mqa_logits(q, k2, row_starts, row_ends, mult)
-    _native_geometry("q", q)
-    C.vector_layout("q", q)
-    C.vector_layout("k", k)
-    target = _dispatch.target_of(q, "q")
-    out = _logits(q.unsqueeze(0), k2.unsqueeze(0), row_starts.unsqueeze(0), row_ends.unsqueeze(0), mult, target)
+
+def _prefill_native(p: PrefillProblem) -> torch.Tensor:
+    out = _logits(p.q.unsqueeze(0), p.k.unsqueeze(0), p.row_starts.unsqueeze(0), p.row_ends.unsqueeze(0), p.scale, p.target)
     return out[0]
 
 
@@ -288,6 +336,30 @@ def qsa_mqa_decode(
     everywhere. Native: BF16/FP16, heads 4, dim 128, page sizes
     8/16/32/64; q goes through plain loads, so broadcast (stride-0) q is fine.
     """
+    problem = _resolve_decode(**locals())  # first statement: locals() is exactly the parameters
+    if problem.backend == "reference":
+        p = problem
+        return reference.mqa_decode(p.q, p.cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
+    return _decode_native(problem)
+
+
+class DecodeProblem(NamedTuple):
+    """One qsa_mqa_decode call, resolved and checked: q as [B, heads, dim], the cache as
+    [pages, page_size, dim]; target for backend='tilelang' only."""
+
+    backend: str
+    q: torch.Tensor
+    cache: torch.Tensor
+    page_table: torch.Tensor
+    context_lens: torch.Tensor
+    max_model_len: int
+    scale: float
+    target: str | None
+
+
+def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, backend) -> DecodeProblem:
+    """Every check of qsa_mqa_decode, in one order: inputs, page table and lengths, devices, the
+    debug value checks, the scale, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q", q, ndim=(3, 4))
     C.floating("q", q)
@@ -316,23 +388,26 @@ def qsa_mqa_decode(
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     q3 = q.reshape(batch, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]) if k_cache.dim() == 4 else k_cache
+    target = None
+    if backend == "tilelang":
+        _native_geometry("q", q)
+        if cache.shape[1] not in DECODE_PAGE_SIZES:
+            raise ValueError(
+                f"backend='tilelang' supports page sizes {', '.join(map(str, DECODE_PAGE_SIZES))} for k_cache, "
+                f"got {cache.shape[1]}; use backend='reference'"
+            )
+        C.unit_feature_stride("q", q)
+        C.vector_layout("k_cache", k_cache)
+        target = _dispatch.target_of(q, "q")
+    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, target)
 
-    if backend == "reference":
-        return reference.mqa_decode(q3, cache, page_table, context_lens, max_model_len, mult)
-    _native_geometry("q", q)
-    page_size = cache.shape[1]
-    if page_size not in DECODE_PAGE_SIZES:
-        raise ValueError(
-            f"backend='tilelang' supports page sizes {', '.join(map(str, DECODE_PAGE_SIZES))} for k_cache, got {page_size}; "
-            "use backend='reference'"
-        )
-    C.unit_feature_stride("q", q)
-    C.vector_layout("k_cache", k_cache)
-    target = _dispatch.target_of(q, "q")
-    out = torch.empty(batch, max_model_len, dtype=torch.float32, device=q.device)
-    if batch == 0 or cache.shape[0] == 0:
+
+def _decode_native(p: DecodeProblem) -> torch.Tensor:
+    batch = p.q.shape[0]
+    out = torch.empty(batch, p.max_model_len, dtype=torch.float32, device=p.q.device)
+    if batch == 0 or p.cache.shape[0] == 0:
         return out.fill_(float("-inf"))
-    spec = {"dtype": str(q.dtype).removeprefix("torch."), "page_size": page_size}
-    kern = _dispatch.kernel(DECODE.name, spec, target)
-    kern(q3, C.canonical_unit_strides(cache), page_table, context_lens, out, mult)
+    spec = {"dtype": str(p.q.dtype).removeprefix("torch."), "page_size": p.cache.shape[1]}
+    kern = _dispatch.kernel(DECODE.name, spec, p.target)
+    kern(p.q, C.canonical_unit_strides(p.cache), p.page_table, p.context_lens, out, p.scale)
     return out
