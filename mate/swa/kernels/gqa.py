@@ -67,6 +67,57 @@ from mate.swa.kernels.gqa_card import WINDOWS
 LN2 = 0.6931471805599453
 
 
+NEG_INF = -T.infinity("float32")
+
+
+def _tile_start(lo, hi, t, Sk, block_n, has_right):
+    """First key of tile t of the band [lo, hi); the last tile ends at hi when hi < Sk."""
+    start = lo + t * block_n
+    if has_right:
+        start = T.if_then_else(hi < Sk, T.min(start, hi - block_n), start)
+    return start
+
+
+@T.macro
+def _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, start, fresh, m0, shift, full_lo, full_hi, left, right, scale_log2, K, block_m, block_n, has_left, has_right):
+    """Mask key tile t (its keys start at `start`, the new ones at `fresh`) where needed,
+    update the running max and sum, leave P (FP32) in acc_s."""
+    # Sk is read from K's shape: a macro argument would rename that variable (the generated CUDA names it).
+    if (t < full_lo) | (t >= full_hi):
+        for i, j in T.Parallel(block_m, block_n):
+            key = start + j
+            pos = m0 + i + shift
+            ok = key < K.shape[1]
+            if has_left:
+                ok = ok & (key >= pos - left)
+            if has_right:
+                ok = ok & (key <= pos + right) & (key >= fresh)
+            acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], NEG_INF)
+    T.copy(m_run, m_prev)
+    T.reduce_max(acc_s, m_run, dim=1, clear=False)
+    for i in T.Parallel(block_m):
+        # A row that has seen nothing keeps max -inf; exponentiate against 0 then.
+        m_off[i] = T.if_then_else(m_run[i] == NEG_INF, 0, m_run[i] * scale_log2)
+        alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_off[i])
+    for i, j in T.Parallel(block_m, block_n):
+        acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_off[i])
+    T.reduce_sum(acc_s, row_sum, dim=1)
+    for i in T.Parallel(block_m):
+        l_run[i] = l_run[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def _store(O, LSE, O_s, acc_o, m_off, l_run, bz, by, m0, Sq, block_m, dim):
+    """A row with nothing visible (sum 0) gets output 0 and LSE -inf; O leaves through shared memory by TMA."""
+    for i, j in T.Parallel(block_m, dim):
+        acc_o[i, j] = T.if_then_else(l_run[i] > 0, acc_o[i, j] / l_run[i], 0)
+    T.copy(acc_o, O_s)
+    T.copy(O_s, O[bz, m0 : m0 + block_m, by, :])
+    for i in T.Parallel(block_m):
+        if m0 + i < Sq:
+            LSE[bz, by, m0 + i] = T.if_then_else(l_run[i] > 0, (m_off[i] + T.log2(l_run[i])) * LN2, NEG_INF)
+
+
 def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth):
     assert window in WINDOWS, window
     assert mma_depth in (1, 2), mma_depth
@@ -77,45 +128,11 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
     regs_p = block_m * block_n // threads // 2
     has_right = window != "none"
     accum = "float32"
-    neg_inf = -T.infinity(accum)
 
     B, Sq, Sk, H, Hkv = T.dynamic("B Sq Sk H Hkv")
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh = T.dynamic(
         "sqb sqs sqh skb sks skh svb svs svh sob sos soh", "int64"
     )
-
-    def tile_start(lo, hi, t):
-        """First key of tile t of the band [lo, hi); the last tile ends at hi when hi < Sk."""
-        start = lo + t * block_n
-        if has_right:
-            start = T.if_then_else(hi < Sk, T.min(start, hi - block_n), start)
-        return start
-
-    @T.macro
-    def mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, start, fresh, m0, shift, full_lo, full_hi, left, right, scale_log2):
-        """Mask key tile t (its keys start at `start`, the new ones at `fresh`) where needed,
-        update the running max and sum, leave P (FP32) in acc_s."""
-        if (t < full_lo) | (t >= full_hi):
-            for i, j in T.Parallel(block_m, block_n):
-                key = start + j
-                pos = m0 + i + shift
-                ok = key < Sk
-                if has_left:
-                    ok = ok & (key >= pos - left)
-                if has_right:
-                    ok = ok & (key <= pos + right) & (key >= fresh)
-                acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], neg_inf)
-        T.copy(m_run, m_prev)
-        T.reduce_max(acc_s, m_run, dim=1, clear=False)
-        for i in T.Parallel(block_m):
-            # A row that has seen nothing keeps max -inf; exponentiate against 0 then.
-            m_off[i] = T.if_then_else(m_run[i] == neg_inf, 0, m_run[i] * scale_log2)
-            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_off[i])
-        for i, j in T.Parallel(block_m, block_n):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_off[i])
-        T.reduce_sum(acc_s, row_sum, dim=1)
-        for i in T.Parallel(block_m):
-            l_run[i] = l_run[i] * alpha[i] + row_sum[i]
 
     @T.prim_func
     def main(
@@ -175,7 +192,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
             T.copy(Q[bz, m0 : m0 + block_m, by, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l_run, 0)
-            T.fill(m_run, neg_inf)
+            T.fill(m_run, NEG_INF)
             T.fill(m_off, 0)
             T.fill(alpha, 1)
 
@@ -185,11 +202,11 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                 # unwaited could land on O_s after the epilogue wrote it (seen on the H200:
                 # tiles with nothing visible stored nonzero rows).
                 for n in T.Pipelined(0, T.max(nt, 1), num_stages=num_stages):
-                    s0 = tile_start(lo, hi, n)
+                    s0 = _tile_start(lo, hi, n, Sk, block_n, has_right)
                     T.copy(K[bz, s0 : s0 + block_n, kvh, :], K_s)
                     if n < nt:
                         T.gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, s0, lo + n * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, n, s0, lo + n * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2, K, block_m, block_n, has_left, has_right)
                         T.copy(acc_s, acc_p)
                         for i, j in T.Parallel(block_m, dim):
                             acc_o[i, j] *= alpha[i]
@@ -199,9 +216,9 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
             else:
                 T.clear(acc_p)
                 for t in T.Pipelined(0, nt + 1, num_stages=num_stages):
-                    k0 = tile_start(lo, hi, t)
+                    k0 = _tile_start(lo, hi, t, Sk, block_n, has_right)
                     T.copy(K[bz, k0 : k0 + block_n, kvh, :], K_s)
-                    v0 = tile_start(lo, hi, T.max(t - 1, 0))
+                    v0 = _tile_start(lo, hi, T.max(t - 1, 0), Sk, block_n, has_right)
                     T.copy(V[bz, v0 : v0 + block_n, kvh, :], V_s)
                     # Each branch issues and waits its own wgmma groups: no asynchronous GEMM
                     # crosses a branch, so ptxas keeps them asynchronous (else it serializes, C7514).
@@ -214,7 +231,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                         # After each wait, fence the registers it released: else the compiler may read
                         # S (or overwrite P and O) before the wait, while the tensor cores still own them.
                         T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2, K, block_m, block_n, has_left, has_right)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_o, num_regs=regs_o)
                         T.warpgroup_fence_operand(acc_p, num_regs=regs_p)
@@ -223,7 +240,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                         T.wgmma_gemm(Q_s, K_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_s, num_regs=regs_s)
-                        mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2)
+                        _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, k0, lo + t * block_n, m0, shift, full_lo, full_hi, left, right, scale_log2, K, block_m, block_n, has_left, has_right)
                         T.copy(acc_s, acc_p)
                     elif t > 0:  # one past the last tile: PV of the last tile
                         for i, j in T.Parallel(block_m, dim):
@@ -233,13 +250,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
                         T.warpgroup_fence_operand(acc_o, num_regs=regs_o)
                         T.warpgroup_fence_operand(acc_p, num_regs=regs_p)
 
-            for i, j in T.Parallel(block_m, dim):
-                acc_o[i, j] = T.if_then_else(l_run[i] > 0, acc_o[i, j] / l_run[i], 0)
-            T.copy(acc_o, O_s)
-            T.copy(O_s, O[bz, m0 : m0 + block_m, by, :])
-            for i in T.Parallel(block_m):
-                if m0 + i < Sq:
-                    LSE[bz, by, m0 + i] = T.if_then_else(l_run[i] > 0, (m_off[i] + T.log2(l_run[i])) * LN2, neg_inf)
+            _store(O, LSE, O_s, acc_o, m_off, l_run, bz, by, m0, Sq, block_m, dim)
 
     # exp2 and the final division take the approximate hardware paths (ex2.approx.ftz,
     # rcp.approx): the softmax is the throughput limit of this kernel.
