@@ -26,6 +26,7 @@ from mate._dispatch import Stage
 from mate.nsa.kernels import selection_card
 from mate.qsa.kernels import mqa_card, sparse_card
 from mate.swa.kernels import gqa_card
+from mate.testing import draw_block_indices
 
 
 @dataclass(frozen=True)
@@ -117,31 +118,6 @@ MQA_DECODE = Tunable.of(
 
 
 # ---------------------------------------------------------------- NSA selection attention
-
-
-def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
-    """T distinct random causally visible blocks per (query, group), sorted, -1 where fewer exist (bottom-right aligned).
-
-    `hot` draws from the first T blocks only, so every query reads the same blocks (a benchmark probe).
-    """
-    n_blocks = -(-N // bs)
-    idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
-    blocks = torch.arange(n_blocks, device="cuda")
-    for m0 in range(0, M, chunk):
-        m1 = min(M, m0 + chunk)
-        pos = N - M + torch.arange(m0, m1, device="cuda")
-        visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)
-        if hot:
-            visible &= blocks.view(1, -1) < T
-        r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
-        r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
-        val, sel = r.topk(min(T, n_blocks), dim=-1)
-        sel = torch.where(val >= 0, sel, n_blocks + 1).sort(-1).values
-        sel = torch.where(sel > n_blocks, -1, sel)
-        if T > n_blocks:
-            sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], T - n_blocks), -1)], -1)
-        idx[:, m0:m1] = sel.to(torch.int32)
-    return idx
 
 
 def _nsa_workload(spec, shape):
