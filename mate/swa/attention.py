@@ -19,6 +19,7 @@ class: `none` (no window), `causal` (LEFT unbounded, RIGHT bounded) and
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -113,6 +114,35 @@ def gqa_attention(
     (LEFT, RIGHT) with -1 unbounded. scale multiplies q.k (default 1/sqrt(D)).
     out, when given, is written in place and returned.
     """
+    p = _resolve(**locals())  # first statement: locals() is exactly the parameters
+    if p.backend == "reference":
+        o, lse = reference.gqa_attention(p.q, p.k, p.v, p.left, p.right, p.scale)
+        out = o.to(p.q.dtype) if p.out is None else p.out.copy_(o)
+    else:
+        out = torch.empty_like(p.q, memory_format=torch.contiguous_format) if p.out is None else p.out
+        lse = _run_native(p.q, p.k, p.v, out, p.left, p.right, p.scale, p.target)
+    return (out, lse) if p.return_lse else out
+
+
+class Problem(NamedTuple):
+    """One gqa_attention call, resolved and checked (immutable, built once per call); the window
+    as (left, right) with -1 unbounded; target for backend='tilelang' only."""
+
+    backend: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    left: int
+    right: int
+    scale: float
+    return_lse: bool
+    out: torch.Tensor | None
+    target: str | None
+
+
+def _resolve(q, k, v, *, sliding_window, scale, out, return_lse, backend) -> Problem:
+    """Every check of gqa_attention, in one order: inputs, devices, shapes, window, scalars, out,
+    the native limits."""
     backend = _dispatch.backend(backend)
     for name, x in (("q", q), ("k", k), ("v", v)):
         C.tensor(name, x, ndim=4)
@@ -133,26 +163,16 @@ def gqa_attention(
     if out is not None:
         C.out_buffer("out", out, shape=q.shape, dtype=q.dtype, device=q.device)
         C.no_overlap({"out": out}, {"q": q, "k": k, "v": v})
-
-    if backend == "reference":
-        o, lse = reference.gqa_attention(q, k, v, left, right, mult)
-        if out is None:
-            out = o.to(q.dtype)
-        else:
-            out.copy_(o)
-        return (out, lse) if return_lse else out
-
-    C.native_dtype("q", q)
-    _native_dim("q", D)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        C.vector_layout(name, x)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        C.vector_layout("out", out)
-    target = _dispatch.target_of(q, "q")
-    lse = _run_native(q, k, v, out, left, right, mult, target)
-    return (out, lse) if return_lse else out
+    target = None
+    if backend == "tilelang":
+        C.native_dtype("q", q)
+        _native_dim("q", D)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            C.vector_layout(name, x)
+        if out is not None:
+            C.vector_layout("out", out)
+        target = _dispatch.target_of(q, "q")
+    return Problem(backend, q, k, v, left, right, mult, return_lse, out, target)
 
 
 # ---------------------------------------------------------------- the seed's launcher
