@@ -27,7 +27,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import PEAK_BYTES, RESULTS, environment, few_ms, figure, graph_ms, median_ms, write_json
+from common import PEAK_BYTES, RESULTS, capture_graph, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
 from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
@@ -41,15 +41,8 @@ def cold_graph_us(fn) -> float:
     """One call per CUDA-graph replay, do_bench median; triton's do_bench flushes L2 before each replay."""
     import triton
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    graph, _ = capture_graph(fn)
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def torch_baseline(p, rows_per_req, chunk=256):

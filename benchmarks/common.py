@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tuning.measure import environment, graph_ms, median_ms  # noqa: F401  (re-exported)
+from tuning.measure import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The H200's measured ceilings (H200.md): bf16 dense matrix rate, device-to-device copy bandwidth.

@@ -83,7 +83,7 @@ def record_call(fn, *args, **kwargs) -> dict:
 def calls():
     """(name, thunk) for every recorded call."""
     import cases
-    from test_qsa_attention_gpu import GEOMETRIES, LAYOUTS, logical_problem
+    from test_qsa_attention_gpu import GEOMETRIES, LAYOUTS, option_problem
 
     import mate
 
@@ -93,15 +93,7 @@ def calls():
     for dtype, (hq, hkv), (qf, kf), options, width in itertools.product(
         [torch.bfloat16, torch.float16], GEOMETRIES, LAYOUTS, ["plain", "lens+gate", "positions+gate_head"], [1, 130]
     ):
-        reqs, tq, extra_q, k, v, extra_kv = logical_problem(7, hq, hkv, width, qf, kf, dtype)
-        kw = dict(token_indices=tq["token_indices"], **extra_q, **extra_kv)
-        if "lens" in options:
-            kw["seq_lens_q"] = torch.tensor([r["rows"] for r in reqs], dtype=torch.int32)
-            kw["seq_lens_k"] = torch.tensor([r["seq_k"] for r in reqs], dtype=torch.int32)
-        if "positions" in options:
-            kw["query_positions"] = tq["query_positions"]
-        if "gate" in options:
-            kw["gate"] = tq["gate"] if options.endswith("gate") else tq["gate"][..., 0].float()
+        tq, k, v, kw = option_problem(7, hq, hkv, width, qf, kf, dtype, options)
         for splits in [None, 1, 3]:
             yield (f"qsa:{dtype}:{hq}/{hkv}:{qf}-{kf}:{options}:{width}:{splits}",
                    lambda q=tq["query"], k=k, v=v, kw=kw, s=splits: mate.qsa_sparse_attention(

@@ -55,13 +55,9 @@ def logical_problem(seed, hq, hkv, width, q_form, kv_form, dtype, page_size=4, n
     return reqs, tq, extra_q, k, v, extra_kv
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq, hkv", GEOMETRIES, ids=[f"group{a // b}" for a, b in GEOMETRIES])
-@pytest.mark.parametrize("q_form, kv_form", LAYOUTS, ids=[f"{a}-{b}" for a, b in LAYOUTS])
-@pytest.mark.parametrize("options", ["plain", "lens+gate", "positions+gate_head"])
-@pytest.mark.parametrize("width", [1, 7, 130])
-def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, width):
-    seed = zlib.crc32(f"{dtype},{hq},{hkv},{q_form},{kv_form},{options},{width}".encode()) % 10_000
+def option_problem(seed, hq, hkv, width, q_form, kv_form, dtype, options):
+    """A logical problem with the keyword arguments of `options` ("plain", "lens+gate", "positions+gate_head"):
+    (query tensors, key, value, the call's keywords) on the CPU."""
     reqs, tq, extra_q, k, v, extra_kv = logical_problem(seed, hq, hkv, width, q_form, kv_form, dtype)
     kw = dict(token_indices=tq["token_indices"], **extra_q, **extra_kv)
     if "lens" in options:
@@ -71,6 +67,17 @@ def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, widt
         kw["query_positions"] = tq["query_positions"]
     if "gate" in options:
         kw["gate"] = tq["gate"] if options.endswith("gate") else tq["gate"][..., 0].float()
+    return tq, k, v, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", GEOMETRIES, ids=[f"group{a // b}" for a, b in GEOMETRIES])
+@pytest.mark.parametrize("q_form, kv_form", LAYOUTS, ids=[f"{a}-{b}" for a, b in LAYOUTS])
+@pytest.mark.parametrize("options", ["plain", "lens+gate", "positions+gate_head"])
+@pytest.mark.parametrize("width", [1, 7, 130])
+def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, width):
+    seed = zlib.crc32(f"{dtype},{hq},{hkv},{q_form},{kv_form},{options},{width}".encode()) % 10_000
+    tq, k, v, kw = option_problem(seed, hq, hkv, width, q_form, kv_form, dtype, options)
     q, k, v, kw = tq["query"].cuda(), k.cuda(), v.cuda(), cuda(kw)
     for splits in ([None] if kv_form == "padded" else [None, 1, 3]):
         assert_matches(*run_both(q, k, v, kw, num_splits=splits), dtype)
