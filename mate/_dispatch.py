@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mate._stage import Stage  # noqa: F401  (the card type, re-exported)
+from mate._stage import Stage
 from mate.nsa.kernels import selection_card
 from mate.qsa.kernels import mqa_card, sparse_card
 from mate.swa.kernels import gqa_card
@@ -42,6 +42,13 @@ def backend(value) -> str:
 
 
 # ---------------------------------------------------------------- tile configs
+
+
+# Every native stage, in one place: each card lives beside its program (mate/<family>/kernels/<kernel>_card.py)
+# and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, gqa_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
+)}
 
 
 class _LazyModule:
@@ -256,10 +263,3 @@ def placeholder(device, dtype, ndim: int) -> torch.Tensor:
     if x is None:
         x = _placeholders[key] = torch.zeros((1,) * ndim, dtype=dtype, device=device)
     return x
-
-
-# Every native stage, in one place: each card lives beside its program (mate/<family>/kernels/<kernel>_card.py)
-# and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
-STAGES: dict[str, Stage] = {s.name: s for s in (
-    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, gqa_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
-)}

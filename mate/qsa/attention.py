@@ -388,6 +388,8 @@ def _row_metadata(query, n_req: int, seq_lens_q, seq_lens_k, query_positions, ga
                 f"gate must have shape {tuple(query.shape[:-1])} (per head) or {tuple(query.shape)} (per element), "
                 f"got {tuple(gate.shape)}"
             )
+
+
 def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -490,7 +492,6 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-
 def _native_rows(query, indices, block_indices, query_positions, gate, out, lse, return_lse) -> NativeRows:
     """The target and the row views the kernels take; allocates out and lse where the caller passed none."""
     target = _dispatch.target_of(query, "query")
@@ -551,7 +552,7 @@ def native(p: Problem):
     splits = max(1, min(num_splits, tiles))
     chunk = -(-tiles // splits) * kernels.TILE
     result = (r.out, r.lse) if p.return_lse else r.out
-    if rows == 0 or hq == 0:
+    if rows == 0:
         return result
     if width == 0:  # nothing selected anywhere
         r.o.zero_()
