@@ -20,6 +20,60 @@ import tilelang.language as T
 NEG_INF = -T.infinity("float32")
 
 
+# ---------------------------------------------------------------- mqa_logits
+
+
+@T.macro
+def _row_intervals(lo, hi, lo_s, hi_s, bz, r0, R, N, block_rows):
+    """Each row's interval clamped to [0, N); rows past R and rows with an empty interval must not widen
+    the tile range, so theirs become the empty [N, 0)."""
+    for i in T.Parallel(block_rows):
+        a = T.if_then_else(r0 + i < R, T.max(lo[bz, r0 + i], 0), N)
+        b = T.if_then_else(r0 + i < R, T.min(hi[bz, r0 + i], N), 0)
+        lo_s[i] = T.if_then_else(a < b, a, N)
+        hi_s[i] = T.if_then_else(a < b, b, 0)
+
+
+@T.macro
+def _visible_tiles(lo_s, hi_s, lo_min: T.Ref, hi_max: T.Ref, by, key_splits, N, block_rows, block_keys):
+    """This split's key tiles [t_begin, t_end), and of those the ones some row can see: [c_begin, c_end)."""
+    lo_min = N
+    hi_max = 0
+    for i in T.serial(block_rows):
+        lo_min = T.min(lo_min, lo_s[i])
+        hi_max = T.max(hi_max, hi_s[i])
+    tiles = T.ceildiv(N, block_keys)
+    per_split = T.ceildiv(tiles, key_splits)
+    t_begin = by * per_split
+    t_end = T.min(t_begin + per_split, tiles)
+    c_begin = T.max(t_begin, lo_min // block_keys)
+    c_end = T.max(c_begin, T.min(t_end, T.ceildiv(hi_max, block_keys)))
+    return t_begin, t_end, c_begin, c_end
+
+
+@T.macro
+def _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, block_keys):
+    """-inf into the split's tiles that no row can see, without loading their keys."""
+    T.fill(acc, NEG_INF)
+    for t in T.serial(t_begin, T.min(c_begin, t_end)):
+        T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+    for t in T.serial(c_end, t_end):
+        T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+
+
+@T.macro
+def _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, heads, block_rows, block_keys):
+    """The key tile at k0: the heads' ReLU'd products summed in FP32, scaled, -inf outside each row's interval."""
+    T.clear(acc)
+    for h in T.serial(heads):
+        T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(block_rows, block_keys):
+            acc[i, j] += T.max(S[i, j], 0)
+    for i, j in T.Parallel(block_rows, block_keys):
+        n = k0 + j
+        acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+
+
 def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
     B, R, N = T.dynamic("B R N")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
@@ -54,48 +108,56 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
                 T.assume(N % 2 == 0)
             r0 = bx * block_rows
 
-            # Rows past R and rows with an empty interval must not widen the tile range.
-            for i in T.Parallel(block_rows):
-                a = T.if_then_else(r0 + i < R, T.max(lo[bz, r0 + i], 0), N)
-                b = T.if_then_else(r0 + i < R, T.min(hi[bz, r0 + i], N), 0)
-                lo_s[i] = T.if_then_else(a < b, a, N)
-                hi_s[i] = T.if_then_else(a < b, b, 0)
+            _row_intervals(lo, hi, lo_s, hi_s, bz, r0, R, N, block_rows)
             for h in T.serial(heads):
                 T.copy(Q[bz, r0 : r0 + block_rows, h, :], Qs[h, :, :])
-            lo_min = N
-            hi_max = 0
-            for i in T.serial(block_rows):
-                lo_min = T.min(lo_min, lo_s[i])
-                hi_max = T.max(hi_max, hi_s[i])
-
-            tiles = T.ceildiv(N, block_keys)
-            per_split = T.ceildiv(tiles, key_splits)
-            t_begin = by * per_split
-            t_end = T.min(t_begin + per_split, tiles)
-            # The tiles of this split that some row can see: [c_begin, c_end).
-            c_begin = T.max(t_begin, lo_min // block_keys)
-            c_end = T.max(c_begin, T.min(t_end, T.ceildiv(hi_max, block_keys)))
-
-            T.fill(acc, NEG_INF)
-            for t in T.serial(t_begin, T.min(c_begin, t_end)):
-                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
-            for t in T.serial(c_end, t_end):
-                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
-
+            t_begin, t_end, c_begin, c_end = _visible_tiles(lo_s, hi_s, lo_min, hi_max, by, key_splits, N, block_rows, block_keys)
+            _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, block_keys)
             for t in T.Pipelined(c_end - c_begin, num_stages=num_stages):
                 k0 = (c_begin + t) * block_keys
                 T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
-                T.clear(acc)
-                for h in T.serial(heads):
-                    T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(block_rows, block_keys):
-                        acc[i, j] += T.max(S[i, j], 0)
-                for i, j in T.Parallel(block_rows, block_keys):
-                    n = k0 + j
-                    acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+                _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, heads, block_rows, block_keys)
                 T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
 
     return main
+
+
+# ---------------------------------------------------------------- mqa_decode
+
+
+@T.macro
+def _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile):
+    """The pool pages of this key tile, -1 for one not to read: a page is read only if it is in the table,
+    inside the pool and holds a visible key."""
+    for j in T.Parallel(pages_per_tile):
+        lp = n0 // page_size + j
+        p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
+        pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+
+
+@T.macro
+def _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, row_chunks, vec, dtype):
+    """The tile's keys into shared memory (zeros for a page not read), through registers first: all of a
+    thread's loads are in flight at once (load-store pairs would serialize them)."""
+    for v in T.unroll(loads):
+        c = v * threads + tx
+        i = c // row_chunks
+        p = pages[i // page_size]
+        for e in T.vectorized(vec):
+            Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % row_chunks) * vec + e], T.cast(0, dtype))
+    for v in T.unroll(loads):
+        c = v * threads + tx
+        for e in T.vectorized(vec):
+            Ks[c // row_chunks, (c % row_chunks) * vec + e] = Kr[v, e]
+
+
+@T.macro
+def _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys):
+    """The tile's scores, -inf for a key not visible or in a page not read."""
+    for i in T.Parallel(block_keys):
+        n = n0 + i
+        if n < O.shape[1]:
+            O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
 
 
 def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
@@ -132,33 +194,15 @@ def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
             n0 = bx * block_keys
             ctx = context_lens[by]
 
-            # A page is read only if it is in the table, inside the pool and holds a visible key.
-            for j in T.Parallel(pages_per_tile):
-                lp = n0 // page_size + j
-                p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
-                pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+            _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile)
             # Q goes through plain loads, so a broadcast (stride-0) batch axis is fine.
             for h, d in T.Parallel(heads_mma, dim):
                 Qs[h, d] = T.if_then_else(h < heads, Q[by, h, d], T.cast(0, dtype))
-            # Gather into registers first and store to shared memory after, so that all of a
-            # thread's loads are in flight at once (load-store pairs would serialize them).
-            for v in T.unroll(loads):
-                c = v * threads + tx
-                i = c // row_chunks
-                p = pages[i // page_size]
-                for e in T.vectorized(vec):
-                    Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % row_chunks) * vec + e], T.cast(0, dtype))
-            for v in T.unroll(loads):
-                c = v * threads + tx
-                for e in T.vectorized(vec):
-                    Ks[c // row_chunks, (c % row_chunks) * vec + e] = Kr[v, e]
+            _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, row_chunks, vec, dtype)
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
             for i, h in T.Parallel(block_keys, heads_mma):
                 S[i, h] = T.max(S[i, h], 0)
             T.reduce_sum(S, score, dim=1)
-            for i in T.Parallel(block_keys):
-                n = n0 + i
-                if n < L:
-                    O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
+            _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys)
 
     return main
