@@ -134,6 +134,22 @@ def test_canonical_unit_strides_is_a_view():
     assert y.stride() == (32, 8, 1) and y.data_ptr() == x.data_ptr()
 
 
+def test_lazy_module_reads_the_module_as_it_is_now(monkeypatch):
+    """A kernel module patched or reloaded after the API's first read is what the API reads next."""
+    import importlib
+
+    from mate import _hopper
+
+    lazy = _dispatch.lazy_module("mate._hopper")
+    assert lazy.MAX_REGS == _hopper.MAX_REGS
+    monkeypatch.setattr(_hopper, "MAX_REGS", -1)
+    assert lazy.MAX_REGS == -1
+    monkeypatch.undo()
+    _hopper.MAX_REGS = -2
+    importlib.reload(_hopper)  # back to the source's value
+    assert lazy.MAX_REGS == _hopper.MAX_REGS != -2
+
+
 def test_import_mate_loads_no_tilelang():
     """TileLang and TVM take about a second to load: they come with the first native call, not with `import mate`
     or mate.testing, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
