@@ -213,7 +213,7 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     block_keys=256 is the fastest but wrong; 128 beats the current 64."""
     import torch
 
-    from tuning import measure as measure_mod
+    from mate import testing
 
     key = "dtype=bfloat16,page_size=16"
     in_effect = lambda: _dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90")["block_keys"]  # noqa: E731
@@ -226,9 +226,9 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
                                                         t.shapes, workload, t.tol))
     monkeypatch.setattr(cli, "compile_all", lambda *a, **k: None)
     monkeypatch.setattr(cli, "require_gpu", lambda target: None)
-    monkeypatch.setattr(measure_mod, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
+    monkeypatch.setattr(testing, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
     timed = []
-    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
 
     # The scenario starts from block_keys 64 / threads 128, whatever the shipped config holds.
     text = configfile.merge(TEXT, "mqa_decode", {key: {"block_keys": 64, "threads": 128}})
@@ -257,9 +257,9 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     wrong value inside it still disqualifies the candidate."""
     import torch
 
-    from tuning import measure as measure_mod
+    from mate import testing
 
-    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: 0.002)
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.002)
     t = TUNABLES["mqa_decode"]
     key = "dtype=bfloat16,page_size=16"
     tiles = {"block_keys": 128, "threads": 256}
