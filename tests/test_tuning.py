@@ -28,8 +28,8 @@ def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
 
 @pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
 def test_card_names_the_program_and_its_arguments(stage):
-    """A card's specialization keys and tile parameters are its program's arguments; the geometry the MQA
-    programs take as defaults is the card's (the program body reads it from its arguments)."""
+    """A card's specialization keys and tile parameters are its program's arguments; the MQA programs take
+    nothing else (their geometry is the card's constants, which they import)."""
     import importlib
     import inspect
 
@@ -38,9 +38,10 @@ def test_card_names_the_program_and_its_arguments(stage):
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
     assert required == [*card.keys, *card.params]
     if stage in ("mqa_logits", "mqa_decode"):
-        from mate.qsa.kernels import mqa_card
+        from mate.qsa.kernels import mqa, mqa_card
 
-        assert (params["heads"].default, params["dim"].default) == (mqa_card.HEADS, mqa_card.DIM)
+        assert list(params) == required
+        assert (mqa.HEADS, mqa.DIM, mqa.HEADS_MMA, mqa.LOAD_ELEMS) == (mqa_card.HEADS, mqa_card.DIM, mqa_card.HEADS_MMA, mqa_card.LOAD_ELEMS)
 
 
 def test_enumeration_is_the_product_split_into_legal_and_pruned():
