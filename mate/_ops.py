@@ -51,7 +51,6 @@ def _entry(impl, compiled):
             return compiled(*args, **kwargs)
         return impl(*args, **kwargs)
 
-    entry._mate_entrypoint = True  # what __all__ below collects
     return entry
 
 
@@ -228,9 +227,6 @@ def build_gqa_attn(ATTN_B, ATTN_H, ATTN_H_KV, ATTN_D, sliding_window=None):
     return _entry(launch, compiled)
 
 
-build_gqa_attn._mate_entrypoint = True  # it returns an entrypoint (the launcher) rather than being one
-
-
-# What `import mate` exports (mate/__init__.py takes this list): every public name above bound to an
-# entrypoint, aliases included, so a new entrypoint is its register(...) call here and nothing else.
-__all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_") and getattr(v, "_mate_entrypoint", False))
+# What `import mate` exports (mate/__init__.py takes this list): every public function above, each a wrapper
+# (functools.wraps) of its stage's entrypoint, aliases included; so a new entrypoint is its register(...) call.
+__all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_") and hasattr(v, "__wrapped__"))
