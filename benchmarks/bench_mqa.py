@@ -32,7 +32,7 @@ import torch
 from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, median_ms, rel_err, write_json
 
 import mate
-from tuning.configfile import using_tiles
+from mate.testing import using_tiles
 
 H, D = 4, 128
 REPORT = dict(stage="mqa", quick=["--rows", "2048", "8192", "--batches", "1", "16", "64"],

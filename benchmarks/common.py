@@ -1,6 +1,6 @@
 """Shared code of the benchmark scripts: timing, run metadata, result files and plots.
 
-Timing and metadata are the tuner's (tuning/measure.py), so a tuned time and a
+Timing and metadata are the tuner's (mate/testing.py), so a tuned time and a
 benchmarked time are the same measurement. A benchmark script that takes part
 in the report (benchmarks/run.py) defines:
 
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from tuning.measure import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
+from mate.testing import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The H200's measured ceilings (H200.md): bf16 dense matrix rate, device-to-device copy bandwidth.
+# The ceilings measured on one H200 (README, "The report on one H200"): the dense bf16 matrix rate on
+# random data and the device-to-device copy bandwidth. Other GPUs need their own.
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
 

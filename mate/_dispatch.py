@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -52,15 +53,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 
 
 class _LazyModule:
-    """A module imported at its first attribute access; what it gave is kept, so later reads are plain lookups."""
+    """A module imported at its first attribute access. Every read goes to the module as it is now (a
+    sys.modules lookup once imported), so a patched or reloaded kernel module is what the API sees."""
 
     def __init__(self, name: str):
         self._name = name
 
     def __getattr__(self, attr):
-        value = getattr(importlib.import_module(self._name), attr)
-        setattr(self, attr, value)
-        return value
+        return getattr(sys.modules.get(self._name) or importlib.import_module(self._name), attr)
 
 
 def lazy_module(name: str) -> _LazyModule:

@@ -225,3 +225,8 @@ def build_gqa_attn(ATTN_B, ATTN_H, ATTN_H_KV, ATTN_D, sliding_window=None):
         return O
 
     return _entry(launch, compiled)
+
+
+# What `import mate` exports (mate/__init__.py takes this list): every public function above, each a wrapper
+# (functools.wraps) of its stage's entrypoint, aliases included; so a new entrypoint is its register(...) call.
+__all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_") and hasattr(v, "__wrapped__"))

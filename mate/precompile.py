@@ -27,7 +27,8 @@ from mate import _dispatch
 def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, str]]:
     """(stage, key) of every entry of the target's config, or of the named stages / dtypes only.
 
-    An entry is of a dtype when a `*dtype` field of its key names it (`dtype=`, the merge's `odtype=`).
+    An entry is of the dtype its key's `dtype=` names; a merge entry (no `dtype=`) is of its output
+    dtype `odtype=`, the model's: SplitKV attention merges FP32 partials into it.
     """
     config = _dispatch.load_config(target)
     for name in stages or ():
@@ -38,8 +39,8 @@ def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, s
         if stages and stage not in stages:
             continue
         for key in keys:
-            named = {v for k, v in _dispatch.parse_key(key).items() if k.endswith("dtype")}
-            if not dtypes or named & set(dtypes):
+            spec = _dispatch.parse_key(key)
+            if not dtypes or spec.get("dtype", spec.get("odtype")) in dtypes:
                 out.append((stage, key))
     return out
 

@@ -27,12 +27,19 @@ def test_keys_round_trip():
 
 
 def test_the_api_modules_use_the_listed_stages():
-    from mate.nsa import selection
-    from mate.qsa import attention, indexer, merge
-    from mate.swa import attention as swa
+    """Every listed stage is one an API module (mate/<family>/*.py) looks up, the listed card itself, and the
+    API modules hold no other (found by scanning them, so a new stage needs no edit here)."""
+    import importlib
+    import pkgutil
 
-    used = [attention.ATTENTION, indexer.LOGITS, indexer.DECODE, merge.STAGE, selection.STAGE, swa.STAGE]
-    assert sorted(s.name for s in used) == sorted(_dispatch.STAGES)
+    import mate
+    from mate._stage import Stage
+
+    used = []
+    for info in pkgutil.walk_packages(mate.__path__, "mate."):
+        if info.name.count(".") == 2 and not info.ispkg:  # mate.<family>.<api>, not the kernels packages
+            used += [v for v in vars(importlib.import_module(info.name)).values() if isinstance(v, Stage)]
+    assert sorted({s.name for s in used}) == sorted(_dispatch.STAGES)
     assert all(_dispatch.STAGES[s.name] is s for s in used)
 
 
@@ -132,6 +139,22 @@ def test_canonical_unit_strides_is_a_view():
     x = torch.empty(16, 4, 8)[3:4]
     y = C.canonical_unit_strides(x.as_strided((1, 4, 8), (5, 8, 1)))
     assert y.stride() == (32, 8, 1) and y.data_ptr() == x.data_ptr()
+
+
+def test_lazy_module_reads_the_module_as_it_is_now(monkeypatch):
+    """A kernel module patched or reloaded after the API's first read is what the API reads next."""
+    import importlib
+
+    from mate import _hopper
+
+    lazy = _dispatch.lazy_module("mate._hopper")
+    assert lazy.MAX_REGS == _hopper.MAX_REGS
+    monkeypatch.setattr(_hopper, "MAX_REGS", -1)
+    assert lazy.MAX_REGS == -1
+    monkeypatch.undo()
+    _hopper.MAX_REGS = -2
+    importlib.reload(_hopper)  # back to the source's value
+    assert lazy.MAX_REGS == _hopper.MAX_REGS != -2
 
 
 def test_import_mate_loads_no_tilelang():

@@ -15,8 +15,14 @@ ENTRIES = precompile.entries("sm90")
 def test_entries_filter_by_stage_and_dtype():
     assert {s for s, _ in precompile.entries("sm90", ["gqa_fwd", "qsa_merge"])} == {"gqa_fwd", "qsa_merge"}
     half = precompile.entries("sm90", None, ["float16"])
-    assert half and all("dtype=float16" in k for _, k in half)  # dtype= or the merge's odtype=
+    assert half and all(k.startswith("dtype=float16") or k.endswith("odtype=float16") for _, k in half)
     assert {s for s, _ in half} == {s for s, _ in ENTRIES}
+    # A merge entry is of its output dtype: float32 selects the three merges into FP32 and nothing else,
+    # bfloat16 takes SplitKV's merge of FP32 partials into BF16 but no merge into another dtype.
+    merges = {p: {k for _, k in precompile.entries("sm90", ["qsa_merge"], [p])} for p in ("float32", "bfloat16")}
+    assert merges["float32"] == {f"pdtype={d},odtype=float32" for d in ("float32", "bfloat16", "float16")}
+    assert {s for s, _ in precompile.entries("sm90", None, ["float32"])} == {"qsa_merge"}
+    assert "pdtype=float32,odtype=bfloat16" in merges["bfloat16"] and all(k.endswith("odtype=bfloat16") for k in merges["bfloat16"])
     assert len(precompile.entries("sm90", None, ["float16", "bfloat16", "float32"])) == len(ENTRIES)
     with pytest.raises(ValueError, match="unknown stage 'nope'"):
         precompile.entries("sm90", ["nope"])
@@ -51,6 +57,6 @@ def test_command_fills_the_cache_folder(tmp_path):
     cmd = [sys.executable, "-m", "mate.precompile", "--stages", "qsa_merge", "--dtypes", "float32", "--jobs", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    n = len(precompile.entries("sm90", ["qsa_merge"], ["float32"]))  # float32 partials or outputs: 5 small kernels
+    n = len(precompile.entries("sm90", ["qsa_merge"], ["float32"]))  # the merges into FP32: 3 small kernels
     assert f"compiled {n} of {n} kernels for sm90" in proc.stdout
     assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing written to TILELANG_CACHE_DIR"

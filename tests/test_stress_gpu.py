@@ -46,13 +46,13 @@ ONE_STAGE = {
 CHILD = """
 import contextlib, json, sys, torch
 from mate import _dispatch
-from tuning import configfile
+from mate.testing import using_tiles
 from tuning.stages import TUNABLES
 stage, cases, launches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 tunable = TUNABLES[stage]
 for key, tiles in cases:
     name = f"{key} {tiles or 'shipped'}"
-    with configfile.using_tiles("sm90", stage, key, tiles) if tiles else contextlib.nullcontext():
+    with using_tiles("sm90", stage, key, tiles) if tiles else contextlib.nullcontext():
         native = tunable.workload(_dispatch.parse_key(key), tunable.shapes["quick"][0])[0]
         print("started", name, flush=True)
         for i in range(launches):

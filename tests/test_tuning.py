@@ -28,8 +28,8 @@ def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
 
 @pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
 def test_card_names_the_program_and_its_arguments(stage):
-    """A card's specialization keys and tile parameters are its program's arguments; the geometry the MQA
-    programs take as defaults is the card's (the program body reads it from its arguments)."""
+    """A card's specialization keys and tile parameters are its program's arguments; the MQA programs take
+    nothing else (their geometry is the card's constants, which they import)."""
     import importlib
     import inspect
 
@@ -38,9 +38,10 @@ def test_card_names_the_program_and_its_arguments(stage):
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
     assert required == [*card.keys, *card.params]
     if stage in ("mqa_logits", "mqa_decode"):
-        from mate.qsa.kernels import mqa_card
+        from mate.qsa.kernels import mqa, mqa_card
 
-        assert (params["heads"].default, params["dim"].default) == (mqa_card.HEADS, mqa_card.DIM)
+        assert list(params) == required
+        assert (mqa.HEADS, mqa.DIM, mqa.HEADS_MMA, mqa.LOAD_ELEMS) == (mqa_card.HEADS, mqa_card.DIM, mqa_card.HEADS_MMA, mqa_card.LOAD_ELEMS)
 
 
 def test_enumeration_is_the_product_split_into_legal_and_pruned():
@@ -213,7 +214,7 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     block_keys=256 is the fastest but wrong; 128 beats the current 64."""
     import torch
 
-    from tuning import measure as measure_mod
+    from mate import testing
 
     key = "dtype=bfloat16,page_size=16"
     in_effect = lambda: _dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90")["block_keys"]  # noqa: E731
@@ -226,9 +227,9 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
                                                         t.shapes, workload, t.tol))
     monkeypatch.setattr(cli, "compile_all", lambda *a, **k: None)
     monkeypatch.setattr(cli, "require_gpu", lambda target: None)
-    monkeypatch.setattr(measure_mod, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
+    monkeypatch.setattr(testing, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
     timed = []
-    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
 
     # The scenario starts from block_keys 64 / threads 128, whatever the shipped config holds.
     text = configfile.merge(TEXT, "mqa_decode", {key: {"block_keys": 64, "threads": 128}})
@@ -257,9 +258,9 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     wrong value inside it still disqualifies the candidate."""
     import torch
 
-    from tuning import measure as measure_mod
+    from mate import testing
 
-    monkeypatch.setattr(measure_mod, "graph_ms", lambda fn: 0.002)
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.002)
     t = TUNABLES["mqa_decode"]
     key = "dtype=bfloat16,page_size=16"
     tiles = {"block_keys": 128, "threads": 256}

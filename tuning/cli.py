@@ -122,10 +122,10 @@ def workloads(tunable, spec: dict, shapes: list[dict]) -> list[tuple]:
 
 def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     """Check every shape against the reference, then time it; {'us': geomean, 'shapes_us': [...]} or {'error'/'wrong': ...}."""
-    from tuning.measure import graph_ms
+    from mate.testing import graph_ms, using_tiles
 
     try:
-        with configfile.using_tiles(target, tunable.stage, key, tiles, config):
+        with using_tiles(target, tunable.stage, key, tiles, config):
             times = []
             for (native, _, pick), ref in zip(loads, refs):
                 err = rel_error(pick(native()), ref)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from tuning.measure import environment
+    from mate.testing import environment
 
     env = environment()
     rows, updates = [], {}

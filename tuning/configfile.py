@@ -10,10 +10,8 @@ equal the intended data.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -22,6 +20,7 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
 from mate import _dispatch
+from mate.testing import using_tiles  # noqa: F401  (bench_nsa and nsa_ab still import it from here)
 
 
 def _yaml() -> YAML:
@@ -87,28 +86,3 @@ def write(path: Path, stage: str, updates: dict[str, dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def using_tiles(target: str, stage: str, key: str, tiles: dict, base: dict | None = None):
-    """Run the dispatcher with `tiles` as the entry of (stage, key), through a patched copy of `base`
-    (default: the target's config as the dispatcher reads it).
-
-    The API wrappers read tile values too (grid sizes, limits), so the whole
-    dispatch path, not only the kernel, must see the candidate.
-    """
-    cfg = {s: dict(e) for s, e in (base or _dispatch.load_config(target)).items()}
-    cfg.setdefault(stage, {})[key] = dict(tiles)
-    saved = os.environ.get("MATE_CONFIG_DIR")
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / f"{target}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-        os.environ["MATE_CONFIG_DIR"] = tmp
-        _dispatch.clear_caches()
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("MATE_CONFIG_DIR", None)
-            else:
-                os.environ["MATE_CONFIG_DIR"] = saved
-            _dispatch.clear_caches()

@@ -127,7 +127,7 @@ class ScoreProblem(NamedTuple):
 def _resolve_score(q_idx, block_keys, *, block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
                    query_positions, seq_lens_q, block_size, scale, score_scale, backend) -> ScoreProblem:
     """Every check of qsa_indexer_mqa_score, in one order: inputs, requests, key layout, metadata,
-    devices, the debug value checks, the native limits."""
+    devices, the debug value checks, the native limits, the offsets the reference slices by."""
     backend = _dispatch.backend(backend)
     C.tensor("q_idx", q_idx, ndim=(3, 4))
     C.floating("q_idx", q_idx)
@@ -183,6 +183,10 @@ def _resolve_score(q_idx, block_keys, *, block_table, page_size, cu_seqlens_q, t
         C.vector_layout("q_idx", q_idx)
         C.vector_layout("block_keys", block_keys)
         target = _dispatch.target_of(q_idx, "q_idx")
+    if varlen and cu_seqlens_q is not None and n_req:
+        # The reference slices rows by these offsets (the native path took no varlen rows above), so
+        # their values are checked with or without the debug checks.
+        _debug.offsets("cu_seqlens_q", cu_seqlens_q, q_idx.shape[0])
     return ScoreProblem(backend, q_idx, keys, block_table, cu_seqlens_q, token_to_req, n_req, query_positions,
                         seq_lens_q, block_size, mult, n_keys, target)
 
@@ -218,8 +222,6 @@ def _score_reference(p: ScoreProblem) -> torch.Tensor:
             local = torch.arange(q.shape[1], device=q.device)
         else:
             if cu is not None:
-                if b == 0:
-                    _debug.offsets("cu_seqlens_q", cu, q.shape[0])
                 rows = torch.arange(int(cu[b]), int(cu[b + 1]), device=q.device)
             else:
                 rows = torch.nonzero(t2r == b).flatten()

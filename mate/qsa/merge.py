@@ -13,11 +13,14 @@ the merged output by sigmoid(gate) in FP32; the lse is not gated.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import reference
+
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
 STAGE = _dispatch.STAGES["qsa_merge"]
@@ -57,6 +60,31 @@ def merge_attention_states(
     backend="tilelang" (default) runs the native merge kernel for float32/bfloat16/float16
     partials and outputs; splits = 0 gives 0 and -inf there too.
     """
+    problem = _resolve(**locals())  # first statement: locals() is exactly the parameters
+    return _native(problem) if problem.backend == "tilelang" else _reference(problem)
+
+
+class MergeProblem(NamedTuple):
+    """One merge_attention_states call, resolved and checked (immutable, built once per call).
+
+    dtype: the output's; row_shape [rows, heads] and out_shape [rows, heads, D]; target set for
+    backend='tilelang' only."""
+
+    backend: str
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    gate: torch.Tensor | None
+    out: torch.Tensor | None
+    lse: torch.Tensor | None
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    target: str | None
+
+
+def _resolve(partial_out, partial_lse, *, gate, out, lse, out_dtype, backend) -> MergeProblem:
+    """Every check of merge_attention_states, in one order: partials, gate, out_dtype, the output
+    buffers, devices and overlap, the target and the native dtypes."""
     backend = _dispatch.backend(backend)
     C.tensor("partial_out", partial_out, ndim=4)
     C.floating("partial_out", partial_out)
@@ -92,24 +120,31 @@ def merge_attention_states(
     C.no_overlap({"out": out, "lse": lse}, {"partial_out": partial_out, "partial_lse": partial_lse, "gate": gate})
 
     dtype = out.dtype if out is not None else (out_dtype or partial_out.dtype)
+    target = None
     if backend == "tilelang":
         target = _dispatch.target_of(partial_out, "partial_out")
         for name, dt in (("partial_out", partial_out.dtype), ("output", dtype)):
             if dt not in NATIVE_DTYPES:
                 raise ValueError(f"backend='tilelang' merges float32/bfloat16/float16 {name}, got {dt}; use backend='reference'")
-        if out is None:
-            out = torch.empty(out_shape, dtype=dtype, device=partial_out.device)
-        if lse is None:
-            lse = torch.empty(row_shape, dtype=torch.float32, device=partial_out.device)
-        if out.numel():
-            g = None if gate is None else (gate.float() if gate.dim() == 3 else gate.float().unsqueeze(-1).expand(out_shape))
-            launch(partial_out, partial_lse, g, out, lse, kernels.WRITE_LSE | (kernels.HAS_GATE if g is not None else 0), target)
-        elif lse.numel():
-            lse.fill_(float("-inf"))
-        return out, lse
+    return MergeProblem(backend, partial_out, partial_lse, gate, out, lse, dtype, row_shape, out_shape, target)
 
-    res, res_lse = reference.merge_states(partial_out, partial_lse)
-    res = reference.apply_gate(res, gate)
-    out = res.to(dtype) if out is None else out.copy_(res)
-    lse = res_lse if lse is None else lse.copy_(res_lse)
+
+def _native(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = p.partial_out.device
+    out = torch.empty(p.out_shape, dtype=p.dtype, device=dev) if p.out is None else p.out
+    lse = torch.empty(p.row_shape, dtype=torch.float32, device=dev) if p.lse is None else p.lse
+    if out.numel():
+        gate = p.gate
+        g = None if gate is None else (gate.float() if gate.dim() == 3 else gate.float().unsqueeze(-1).expand(p.out_shape))
+        launch(p.partial_out, p.partial_lse, g, out, lse, kernels.WRITE_LSE | (kernels.HAS_GATE if g is not None else 0), p.target)
+    elif lse.numel():
+        lse.fill_(float("-inf"))
+    return out, lse
+
+
+def _reference(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    res, res_lse = reference.merge_states(p.partial_out, p.partial_lse)
+    res = reference.apply_gate(res, p.gate)
+    out = res.to(p.dtype) if p.out is None else p.out.copy_(res)
+    lse = res_lse if p.lse is None else p.lse.copy_(res_lse)
     return out, lse

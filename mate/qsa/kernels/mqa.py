@@ -17,17 +17,74 @@ operand, so the tensor cores still do the dot products.
 
 import tilelang.language as T
 
+from mate.qsa.kernels.mqa_card import DIM, HEADS, HEADS_MMA, LOAD_ELEMS
+
 NEG_INF = -T.infinity("float32")
+ROW_CHUNKS = DIM // LOAD_ELEMS  # 16-byte loads per key row
 
 
-def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, heads=4, dim=128):
+# ---------------------------------------------------------------- mqa_logits
+
+
+@T.macro
+def _row_intervals(lo, hi, lo_s, hi_s, bz, r0, R, N, block_rows):
+    """Each row's interval clamped to [0, N); rows past R and rows with an empty interval must not widen
+    the tile range, so theirs become the empty [N, 0)."""
+    for i in T.Parallel(block_rows):
+        a = T.if_then_else(r0 + i < R, T.max(lo[bz, r0 + i], 0), N)
+        b = T.if_then_else(r0 + i < R, T.min(hi[bz, r0 + i], N), 0)
+        lo_s[i] = T.if_then_else(a < b, a, N)
+        hi_s[i] = T.if_then_else(a < b, b, 0)
+
+
+@T.macro
+def _visible_tiles(lo_s, hi_s, lo_min: T.Ref, hi_max: T.Ref, by, key_splits, N, block_rows, block_keys):
+    """This split's key tiles [t_begin, t_end), and of those the ones some row can see: [c_begin, c_end)."""
+    lo_min = N
+    hi_max = 0
+    for i in T.serial(block_rows):
+        lo_min = T.min(lo_min, lo_s[i])
+        hi_max = T.max(hi_max, hi_s[i])
+    tiles = T.ceildiv(N, block_keys)
+    per_split = T.ceildiv(tiles, key_splits)
+    t_begin = by * per_split
+    t_end = T.min(t_begin + per_split, tiles)
+    c_begin = T.max(t_begin, lo_min // block_keys)
+    c_end = T.max(c_begin, T.min(t_end, T.ceildiv(hi_max, block_keys)))
+    return t_begin, t_end, c_begin, c_end
+
+
+@T.macro
+def _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, block_keys):
+    """-inf into the split's tiles that no row can see, without loading their keys."""
+    T.fill(acc, NEG_INF)
+    for t in T.serial(t_begin, T.min(c_begin, t_end)):
+        T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+    for t in T.serial(c_end, t_end):
+        T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
+
+
+@T.macro
+def _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, block_rows, block_keys):
+    """The key tile at k0: the heads' ReLU'd products summed in FP32, scaled, -inf outside each row's interval."""
+    T.clear(acc)
+    for h in T.serial(HEADS):
+        T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(block_rows, block_keys):
+            acc[i, j] += T.max(S[i, j], 0)
+    for i, j in T.Parallel(block_rows, block_keys):
+        n = k0 + j
+        acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+
+
+def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages):
     B, R, N = T.dynamic("B R N")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((B, R, heads, dim), (sqb, sqr, sqh, 1), dtype),
-        K: T.StridedTensor((B, N, dim), (skb, skn, 1), dtype),
+        Q: T.StridedTensor((B, R, HEADS, DIM), (sqb, sqr, sqh, 1), dtype),
+        K: T.StridedTensor((B, N, DIM), (skb, skn, 1), dtype),
         lo: T.StridedTensor((B, R), (slb, slr), "int32"),
         hi: T.StridedTensor((B, R), (shb, shr), "int32"),
         O: T.Tensor((B, R, N), "float32"),
@@ -35,8 +92,8 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
         key_splits: T.int32,
     ):
         with T.Kernel(T.ceildiv(R, block_rows), key_splits, B, threads=threads) as (bx, by, bz):
-            Qs = T.alloc_shared((heads, block_rows, dim), dtype)
-            Ks = T.alloc_shared((block_keys, dim), dtype)
+            Qs = T.alloc_shared((HEADS, block_rows, DIM), dtype)
+            Ks = T.alloc_shared((block_keys, DIM), dtype)
             lo_s = T.alloc_shared((block_rows,), "int32")
             hi_s = T.alloc_shared((block_rows,), "int32")
             S = T.alloc_fragment((block_rows, block_keys), "float32")
@@ -54,76 +111,81 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, he
                 T.assume(N % 2 == 0)
             r0 = bx * block_rows
 
-            # Rows past R and rows with an empty interval must not widen the tile range.
-            for i in T.Parallel(block_rows):
-                a = T.if_then_else(r0 + i < R, T.max(lo[bz, r0 + i], 0), N)
-                b = T.if_then_else(r0 + i < R, T.min(hi[bz, r0 + i], N), 0)
-                lo_s[i] = T.if_then_else(a < b, a, N)
-                hi_s[i] = T.if_then_else(a < b, b, 0)
-            for h in T.serial(heads):
+            _row_intervals(lo, hi, lo_s, hi_s, bz, r0, R, N, block_rows)
+            for h in T.serial(HEADS):
                 T.copy(Q[bz, r0 : r0 + block_rows, h, :], Qs[h, :, :])
-            lo_min = N
-            hi_max = 0
-            for i in T.serial(block_rows):
-                lo_min = T.min(lo_min, lo_s[i])
-                hi_max = T.max(hi_max, hi_s[i])
-
-            tiles = T.ceildiv(N, block_keys)
-            per_split = T.ceildiv(tiles, key_splits)
-            t_begin = by * per_split
-            t_end = T.min(t_begin + per_split, tiles)
-            # The tiles of this split that some row can see: [c_begin, c_end).
-            c_begin = T.max(t_begin, lo_min // block_keys)
-            c_end = T.max(c_begin, T.min(t_end, T.ceildiv(hi_max, block_keys)))
-
-            T.fill(acc, NEG_INF)
-            for t in T.serial(t_begin, T.min(c_begin, t_end)):
-                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
-            for t in T.serial(c_end, t_end):
-                T.copy(acc, O[bz, r0 : r0 + block_rows, t * block_keys : (t + 1) * block_keys])
-
+            t_begin, t_end, c_begin, c_end = _visible_tiles(lo_s, hi_s, lo_min, hi_max, by, key_splits, N, block_rows, block_keys)
+            _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, block_keys)
             for t in T.Pipelined(c_end - c_begin, num_stages=num_stages):
                 k0 = (c_begin + t) * block_keys
                 T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
-                T.clear(acc)
-                for h in T.serial(heads):
-                    T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(block_rows, block_keys):
-                        acc[i, j] += T.max(S[i, j], 0)
-                for i, j in T.Parallel(block_rows, block_keys):
-                    n = k0 + j
-                    acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+                _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, block_rows, block_keys)
                 T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
 
     return main
 
 
-def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
+# ---------------------------------------------------------------- mqa_decode
+
+
+@T.macro
+def _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile):
+    """The pool pages of this key tile, -1 for one not to read: a page is read only if it is in the table,
+    inside the pool and holds a visible key."""
+    for j in T.Parallel(pages_per_tile):
+        lp = n0 // page_size + j
+        p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
+        pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+
+
+@T.macro
+def _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, dtype):
+    """The tile's keys into shared memory (zeros for a page not read), through registers first: all of a
+    thread's loads are in flight at once (load-store pairs would serialize them)."""
+    for v in T.unroll(loads):
+        c = v * threads + tx
+        i = c // ROW_CHUNKS
+        p = pages[i // page_size]
+        for e in T.vectorized(LOAD_ELEMS):
+            Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % ROW_CHUNKS) * LOAD_ELEMS + e], T.cast(0, dtype))
+    for v in T.unroll(loads):
+        c = v * threads + tx
+        for e in T.vectorized(LOAD_ELEMS):
+            Ks[c // ROW_CHUNKS, (c % ROW_CHUNKS) * LOAD_ELEMS + e] = Kr[v, e]
+
+
+@T.macro
+def _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys):
+    """The tile's scores, -inf for a key not visible or in a page not read."""
+    for i in T.Parallel(block_keys):
+        n = n0 + i
+        if n < O.shape[1]:
+            O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
+
+
+def mqa_decode(dtype, page_size, block_keys, threads):
     assert block_keys % page_size == 0, "block_keys must be a multiple of page_size"
-    vec = 8  # bf16/fp16 elements per 16-byte load
-    row_chunks = dim // vec
-    assert (block_keys * row_chunks) % threads == 0, "every thread loads the same number of 16-byte chunks"
-    loads = block_keys * row_chunks // threads
+    assert (block_keys * ROW_CHUNKS) % threads == 0, "every thread loads the same number of 16-byte chunks"
+    loads = block_keys * ROW_CHUNKS // threads
     B, P, MP, L = T.dynamic("B P MP L")
     sqb, sqh, skp, skt, spb, spp, scl = T.dynamic("sqb sqh skp skt spb spp scl", "int64")
-    heads_mma = max(8, heads)  # the MMA's N is at least 8: pad heads with zero rows
     pages_per_tile = block_keys // page_size
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((B, heads, dim), (sqb, sqh, 1), dtype),
-        Kc: T.StridedTensor((P, page_size, dim), (skp, skt, 1), dtype),
+        Q: T.StridedTensor((B, HEADS, DIM), (sqb, sqh, 1), dtype),
+        Kc: T.StridedTensor((P, page_size, DIM), (skp, skt, 1), dtype),
         page_table: T.StridedTensor((B, MP), (spb, spp), "int32"),
         context_lens: T.StridedTensor((B,), (scl,), "int32"),
         O: T.Tensor((B, L), "float32"),
         scale: T.float32,
     ):
         with T.Kernel(T.ceildiv(L, block_keys), B, threads=threads) as (bx, by):
-            Qs = T.alloc_shared((heads_mma, dim), dtype)
-            Ks = T.alloc_shared((block_keys, dim), dtype)
-            Kr = T.alloc_local((loads, vec), dtype)
+            Qs = T.alloc_shared((HEADS_MMA, DIM), dtype)
+            Ks = T.alloc_shared((block_keys, DIM), dtype)
+            Kr = T.alloc_local((loads, LOAD_ELEMS), dtype)
             pages = T.alloc_shared((pages_per_tile,), "int32")
-            S = T.alloc_fragment((block_keys, heads_mma), "float32")
+            S = T.alloc_fragment((block_keys, HEADS_MMA), "float32")
             score = T.alloc_fragment((block_keys,), "float32")
             tx = T.get_thread_binding()
             # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
@@ -132,33 +194,16 @@ def mqa_decode(dtype, page_size, block_keys, threads, heads=4, dim=128):
             n0 = bx * block_keys
             ctx = context_lens[by]
 
-            # A page is read only if it is in the table, inside the pool and holds a visible key.
-            for j in T.Parallel(pages_per_tile):
-                lp = n0 // page_size + j
-                p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
-                pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+            _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile)
             # Q goes through plain loads, so a broadcast (stride-0) batch axis is fine.
-            for h, d in T.Parallel(heads_mma, dim):
-                Qs[h, d] = T.if_then_else(h < heads, Q[by, h, d], T.cast(0, dtype))
-            # Gather into registers first and store to shared memory after, so that all of a
-            # thread's loads are in flight at once (load-store pairs would serialize them).
-            for v in T.unroll(loads):
-                c = v * threads + tx
-                i = c // row_chunks
-                p = pages[i // page_size]
-                for e in T.vectorized(vec):
-                    Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % row_chunks) * vec + e], T.cast(0, dtype))
-            for v in T.unroll(loads):
-                c = v * threads + tx
-                for e in T.vectorized(vec):
-                    Ks[c // row_chunks, (c % row_chunks) * vec + e] = Kr[v, e]
+            # Heads past HEADS are the zero rows that pad the MMA's N.
+            for h, d in T.Parallel(HEADS_MMA, DIM):
+                Qs[h, d] = T.if_then_else(h < HEADS, Q[by, h, d], T.cast(0, dtype))
+            _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, dtype)
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
-            for i, h in T.Parallel(block_keys, heads_mma):
+            for i, h in T.Parallel(block_keys, HEADS_MMA):
                 S[i, h] = T.max(S[i, h], 0)
             T.reduce_sum(S, score, dim=1)
-            for i in T.Parallel(block_keys):
-                n = n0 + i
-                if n < L:
-                    O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
+            _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys)
 
     return main

@@ -1,8 +1,8 @@
 """Stage cards of the QSA MQA indexer (mate.qsa.kernels.mqa): `mqa_logits` and `mqa_decode`.
 
-Importable without TileLang: the API and the tuner read these; the resource models
-follow the programs' buffers (Q and K tiles in shared memory, the score tiles in
-FP32 registers).
+Importable without TileLang: the API and the tuner read these. The programs import
+the geometry constants below, and the resource models follow their buffers (Q and K
+tiles in shared memory, the score tiles in FP32 registers).
 """
 
 from mate._stage import Stage
