@@ -37,7 +37,7 @@ import time
 import traceback
 
 import torch
-from common import PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
+from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
 from mate import _dispatch
@@ -132,7 +132,6 @@ def options(args) -> dict:
             ref = mate.gqa_attention(q[:, -512:], k, v, sliding_window=window, backend="reference", **kw)  # the last rows only
             add(dict(case=f"{name} 16k", window=list(window), ms=ms, tflops=flops / ms / 1e9, vs_plain=ms / plain,
                      err_vs_reference=rel_err(out[:, -512:], ref)))
-    del q, k, v, out
 
     n, s = 16, 1024
     flops = 4.0 * H * D * n * visible_pairs(s, s, -1, 0)
@@ -140,13 +139,13 @@ def options(args) -> dict:
     outp = torch.empty_like(qp)
     padded = timed_ms(lambda: mate.gqa_attention(qp, kp, vp, sliding_window=(-1, 0), out=outp))
     add(dict(case="padded 16 x 1024 causal", ms=padded, tflops=flops / padded / 1e9))
-    q, k, v = qp.flatten(0, 1), kp.flatten(0, 1), vp.flatten(0, 1)
+    qv, kv, vv = qp.flatten(0, 1), kp.flatten(0, 1), vp.flatten(0, 1)  # the same tokens, packed
     cu = torch.arange(0, n * s + 1, s, device=dev, dtype=torch.int32)
-    out = torch.empty_like(q)
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s, sliding_window=(-1, 0))
-    ms = timed_ms(lambda: mate.gqa_attention(q, k, v, out=out, **kw))
-    add(dict(case="varlen 16 x 1024 causal", ms=ms, tflops=flops / ms / 1e9, vs_padded=ms / padded,
-             err_vs_padded=rel_err(out.view_as(outp), outp)))
+    outv = torch.empty_like(qv)
+    varlen = timed_ms(lambda: mate.gqa_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                                                 sliding_window=(-1, 0), out=outv))
+    add(dict(case="varlen 16 x 1024 causal", ms=varlen, tflops=flops / varlen / 1e9, vs_padded=varlen / padded,
+             err_vs_padded=rel_err(outv.view_as(outp), outp)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -158,11 +157,27 @@ def options(args) -> dict:
 
     try:
         cms = timed_ms(run_cudnn)
-        add(dict(case="cuDNN SDPA padded 16 x 1024 causal", ms=cms, tflops=flops / cms / 1e9, mate_varlen_speedup=cms / ms,
+        add(dict(case="cuDNN SDPA padded 16 x 1024 causal", ms=cms, tflops=flops / cms / 1e9, mate_varlen_speedup=cms / varlen,
                  err_vs_mate=rel_err(outp, run_cudnn().transpose(1, 2))))
     except RuntimeError as e:
         add(dict(case="cuDNN SDPA padded 16 x 1024 causal", error=str(e)[:200]))
-    if not args.no_flex:
+
+    # Decode through the varlen prefill kernel (no decode path yet): 64 sequences of one row against 8192 keys;
+    # the bandwidth counts each sequence's visible K and V once (the ceiling: PEAK_BYTES).
+    nd, ctx = 64, 8192
+    qd, kd, vd = rnd(nd, H, D), rnd(nd * ctx, HKV, D), rnd(nd * ctx, HKV, D)
+    outd = torch.empty_like(qd)
+    cu_q = torch.arange(0, nd + 1, device=dev, dtype=torch.int32)
+    cu_k = torch.arange(0, nd * ctx + 1, ctx, device=dev, dtype=torch.int32)
+    for window in [(-1, 0), (4096, 0)]:
+        seen = min(ctx, window[0] + 1) if window[0] >= 0 else ctx
+        ms = timed_ms(lambda: mate.gqa_attention(qd, kd, vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=ctx,
+                                                 sliding_window=window, out=outd))
+        gbs = nd * seen * HKV * D * 2 * 2 / ms / 1e6
+        add(dict(case=f"decode (varlen prefill kernel) {nd} x 1 row x {ctx} keys", window=list(window), ms=ms, GB_s=gbs,
+                 of_peak_bandwidth=gbs * 1e9 / PEAK_BYTES))
+
+    if not args.no_flex:  # last: its compile takes the longest
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         doc = torch.arange(n * s, device=dev) // s
@@ -172,10 +187,10 @@ def options(args) -> dict:
 
         bm = create_block_mask(document_causal, 1, 1, n * s, n * s, device=dev)
         flex = torch.compile(flex_attention, dynamic=False)
-        q1, k1, v1 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        q1, k1, v1 = (x.unsqueeze(0).transpose(1, 2) for x in (qv, kv, vv))
         fms = timed_ms(lambda: flex(q1, k1, v1, block_mask=bm, enable_gqa=True))
-        add(dict(case="FlexAttention document mask 16 x 1024 causal", ms=fms, tflops=flops / fms / 1e9, mate_varlen_speedup=fms / ms,
-                 err_vs_mate=rel_err(out, flex(q1, k1, v1, block_mask=bm, enable_gqa=True).transpose(1, 2)[0])))
+        add(dict(case="FlexAttention document mask 16 x 1024 causal", ms=fms, tflops=flops / fms / 1e9, mate_varlen_speedup=fms / varlen,
+                 err_vs_mate=rel_err(outv, flex(q1, k1, v1, block_mask=bm, enable_gqa=True).transpose(1, 2)[0])))
     return meta
 
 

@@ -337,9 +337,6 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if out is not None:
             C.vector_layout("out", out)
         target = _dispatch.target_of(q, "q")
-        if not plain:  # GATE: removed once tests/test_gqa_options_gpu.py passed on the H200
-            raise ValueError("backend='tilelang' does not run varlen, sinks or softcap yet (written, not yet verified on the GPU); "
-                             "use backend='reference'")
     return Problem(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
                    batch, left, right, sinks, softcap, mult, return_lse, out, plain, target)
 
