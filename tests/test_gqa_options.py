@@ -201,6 +201,7 @@ def test_option_errors():
     raises(ValueError, "max_seqlen_q is required", f, q, k, v, **{**vl, "max_seqlen_q": None})
     raises(TypeError, "max_seqlen_k must be an int", f, q, k, v, **{**vl, "max_seqlen_k": 12.0})
     raises(ValueError, "max_seqlen_k must be >= 0", f, q, k, v, **{**vl, "max_seqlen_k": -1})
+    raises(ValueError, "max_seqlen_q is 0 but q holds 14 rows", f, q, k, v, **{**vl, "max_seqlen_q": 0})
     raises(ValueError, "needs varlen k", f, q, k, v, cu_seqlens_q=cq, max_seqlen_q=9, backend="reference")
     q4, k4, v4 = q[None], k[None], v[None]
     raises(ValueError, "cu_seqlens_k needs varlen q", f, q4, k[:8], v[:8], cu_seqlens_k=ck, max_seqlen_k=12, backend="reference")

@@ -9,11 +9,17 @@ Layout BSHD: q [B, Sq, H, D], k/v [B, Sk, H_kv, D], out [B, Sq, H, D], LSE [B, H
 causal; a Hugging Face window W is (W - 1, 0). A row that sees no key gets
 output 0 and LSE -inf.
 
+Also packed varlen sequences, paged caches, attention sinks and softcap (issue 17; see
+gqa_attention's docstring).
+
 Native: BF16/FP16, D 64 or 128, any H divisible by H_kv, each tensor with a
 unit feature stride and 16-byte aligned pointer and strides (TMA). One kernel
 per (dtype, D, window class) serves every geometry, length and window of its
 class: `none` (no window), `causal` (LEFT unbounded, RIGHT bounded) and
-`local` (LEFT bounded).
+`local` (LEFT bounded). Varlen, sinks and softcap are compile-time variants of
+that kernel with its class's tiles, compiled at first use (not by mate-precompile);
+with none of them the call takes the plain kernel, unchanged. Paged caches are
+reference-only for now.
 """
 
 from __future__ import annotations
@@ -120,8 +126,6 @@ def _run_native_ext(p, o) -> torch.Tensor:
         if p.sinks is None:
             return lse.fill_(float("-inf"))
         return lse.copy_(p.sinks.view(H, 1) if varlen else p.sinks.view(1, H, 1))
-    if varlen and p.max_seqlen_q == 0:  # offsets from 0 to total_q > 0 need a longer sequence: the caller's bug
-        raise ValueError(f"max_seqlen_q is 0 but q holds {q.shape[0]} rows; it must be at least every sequence's length")
     kern = _ext_kernel(tuple(_spec(q.dtype, q.shape[-1], p.left, p.right).items()), varlen, p.sinks is not None,
                        p.softcap is not None, p.target)
     four = (lambda x: x.unsqueeze(0)) if varlen else (lambda x: x)
@@ -297,6 +301,8 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if varlen_q:
         batch = _offsets("cu_seqlens_q", cu_seqlens_q, None)
         max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q")
+        if max_seqlen_q == 0 and q.shape[0]:  # offsets run from 0 to total_q > 0: some sequence is longer
+            raise ValueError(f"max_seqlen_q is 0 but q holds {q.shape[0]} rows; it must be at least every sequence's length")
     else:
         batch = q.shape[0]
     if varlen_k:
