@@ -255,3 +255,20 @@ def test_debug_checks_catch_bad_offsets_and_lengths():
                seq_lens_k=torch.tensor([5], dtype=I32), backend="reference")
         raises(ValueError, "seq_lens_k", mate.gqa_attention, q[:2][None], kc, kc, block_table=torch.tensor([[0, 2]], dtype=I32),
                seq_lens_k=torch.tensor([9], dtype=I32), backend="reference")
+
+
+# ---------------------------------------------------------------- the native variants lower (no GPU)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("key, mma_depth", [("dtype=bfloat16,dim=128,window=causal", 2), ("dtype=float16,dim=64,window=local", 2),
+                                            ("dtype=bfloat16,dim=128,window=none", 1), ("dtype=bfloat16,dim=128,window=local", 1)])
+def test_option_variants_lower_for_sm90a(key, mma_depth):
+    """The program with every option on, both consumer schedules: TileLang lowers it to CUDA that reads the offsets,
+    the sinks and applies the softcap (the GPU tests run what these generate)."""
+    from mate import _dispatch
+
+    spec = _dispatch.parse_key(key)
+    tiles = dict(_dispatch.tiles("gqa_fwd", spec, "sm90"), mma_depth=mma_depth)
+    src = _dispatch.lower_program("gqa_fwd", spec, "sm90", {**tiles, "varlen": True, "sinks": True, "softcap": True})
+    assert all(name in src for name in ("CuQ[", "CuK[", "Sinks[", "tanhf(")), key
