@@ -133,9 +133,10 @@ def _run_native_ext(p, o) -> torch.Tensor:
     hold = _dispatch.placeholder(q.device, torch.int32, 1)
     # With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units.
     scale_log2 = LOG2E if p.softcap else p.scale * LOG2E
+    # The kernel reads offsets and sinks as dense vectors: a strided view goes in as a copy (captured with the call).
     kern(cu(four(q)), cu(four(k)), cu(four(v)), cu(four(o)), four(lse),
-         p.cu_seqlens_q if varlen else hold, p.cu_seqlens_k if varlen else hold,
-         p.sinks if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
+         p.cu_seqlens_q.contiguous() if varlen else hold, p.cu_seqlens_k.contiguous() if varlen else hold,
+         p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
          scale_log2, _runtime(p.left), _runtime(p.right), p.softcap or 0.0, p.scale / p.softcap if p.softcap else 0.0,
          p.max_seqlen_q if varlen else 0)
     return lse
