@@ -15,6 +15,13 @@ FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
 
   python benchmarks/bench_gqa.py [--dims 128 64] [--lengths 4096 16384 65536] [--depths]
                                  [--out benchmarks/results/gqa_h200.json]
+  python benchmarks/bench_gqa.py --options [--no-flex] [--out ...]
+
+--options times issue 17's options instead (D 128, BF16, H 64/8): sinks, softcap and both
+against the plain kernel at 16k (dense causal and window (4096, 0)), and varlen 16 x 1024 causal
+against the padded [16, 1024] call, cuDNN SDPA on the padded batch and FlexAttention with a
+document mask on the packed one. FlashAttention-3 (the fa3-fwd wheel) cannot travel to the GPU
+beside TileLang's bundle, so it is not in these runs.
 
 --depths also times the other consumer schedule (mma_depth 1 vs 2) of the
 mate kernel. The JSON is rewritten after every row, so a run cut short keeps
@@ -30,7 +37,7 @@ import time
 import traceback
 
 import torch
-from common import PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
+from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
 from mate import _dispatch
@@ -97,6 +104,96 @@ def figures(result):
     return figs
 
 
+def options(args) -> dict:
+    """Issue 17's option rows (see the module docstring); every row checks mate against the reference."""
+    dev = torch.device("cuda")
+    meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call", "rows": []}
+    D = 128
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev).to(torch.bfloat16)
+
+    def add(row):
+        meta["rows"].append(row)
+        write_json(args.out, meta)
+        print(json.dumps(row), flush=True)
+
+    s = 16384
+    q, k, v = rnd(1, s, H, D), rnd(1, s, HKV, D), rnd(1, s, HKV, D)
+    out = torch.empty_like(q)
+    sinks = torch.randn(H, device=dev)
+    for window in [(-1, 0), (4096, 0)]:
+        flops = 4.0 * H * D * visible_pairs(s, s, *window)
+        plain = None
+        for name, kw in [("plain", {}), ("sinks", dict(sinks=sinks)), ("softcap", dict(softcap=30.0)),
+                         ("sinks+softcap", dict(sinks=sinks, softcap=30.0))]:
+            ms = timed_ms(lambda: mate.gqa_attention(q, k, v, sliding_window=window, out=out, **kw))
+            plain = plain or ms
+            ref = mate.gqa_attention(q[:, -512:], k, v, sliding_window=window, backend="reference", **kw)  # the last rows only
+            add(dict(case=f"{name} 16k", window=list(window), ms=ms, tflops=flops / ms / 1e9, vs_plain=ms / plain,
+                     err_vs_reference=rel_err(out[:, -512:], ref)))
+
+    n, s = 16, 1024
+    flops = 4.0 * H * D * n * visible_pairs(s, s, -1, 0)
+    qp, kp, vp = rnd(n, s, H, D), rnd(n, s, HKV, D), rnd(n, s, HKV, D)
+    outp = torch.empty_like(qp)
+    padded = timed_ms(lambda: mate.gqa_attention(qp, kp, vp, sliding_window=(-1, 0), out=outp))
+    add(dict(case="padded 16 x 1024 causal", ms=padded, tflops=flops / padded / 1e9))
+    qv, kv, vv = qp.flatten(0, 1), kp.flatten(0, 1), vp.flatten(0, 1)  # the same tokens, packed
+    cu = torch.arange(0, n * s + 1, s, device=dev, dtype=torch.int32)
+    outv = torch.empty_like(qv)
+    varlen = timed_ms(lambda: mate.gqa_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                                                 sliding_window=(-1, 0), out=outv))
+    add(dict(case="varlen 16 x 1024 causal", ms=varlen, tflops=flops / varlen / 1e9, vs_padded=varlen / padded,
+             err_vs_padded=rel_err(outv.view_as(outp), outp)))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (qp, kp, vp))
+
+    def run_cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    try:
+        cms = timed_ms(run_cudnn)
+        add(dict(case="cuDNN SDPA padded 16 x 1024 causal", ms=cms, tflops=flops / cms / 1e9, mate_varlen_speedup=cms / varlen,
+                 err_vs_mate=rel_err(outp, run_cudnn().transpose(1, 2))))
+    except RuntimeError as e:
+        add(dict(case="cuDNN SDPA padded 16 x 1024 causal", error=str(e)[:200]))
+
+    # Decode through the varlen prefill kernel (no decode path yet): 64 sequences of one row against 8192 keys;
+    # the bandwidth counts each sequence's visible K and V once (the ceiling: PEAK_BYTES).
+    nd, ctx = 64, 8192
+    qd, kd, vd = rnd(nd, H, D), rnd(nd * ctx, HKV, D), rnd(nd * ctx, HKV, D)
+    outd = torch.empty_like(qd)
+    cu_q = torch.arange(0, nd + 1, device=dev, dtype=torch.int32)
+    cu_k = torch.arange(0, nd * ctx + 1, ctx, device=dev, dtype=torch.int32)
+    for window in [(-1, 0), (4096, 0)]:
+        seen = min(ctx, window[0] + 1) if window[0] >= 0 else ctx
+        ms = timed_ms(lambda: mate.gqa_attention(qd, kd, vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=ctx,
+                                                 sliding_window=window, out=outd))
+        gbs = nd * seen * HKV * D * 2 * 2 / ms / 1e6
+        add(dict(case=f"decode (varlen prefill kernel) {nd} x 1 row x {ctx} keys", window=list(window), ms=ms, GB_s=gbs,
+                 of_peak_bandwidth=gbs * 1e9 / PEAK_BYTES))
+
+    if not args.no_flex:  # last: its compile takes the longest
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.arange(n * s, device=dev) // s
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+        bm = create_block_mask(document_causal, 1, 1, n * s, n * s, device=dev)
+        flex = torch.compile(flex_attention, dynamic=False)
+        q1, k1, v1 = (x.unsqueeze(0).transpose(1, 2) for x in (qv, kv, vv))
+        fms = timed_ms(lambda: flex(q1, k1, v1, block_mask=bm, enable_gqa=True))
+        add(dict(case="FlexAttention document mask 16 x 1024 causal", ms=fms, tflops=flops / fms / 1e9, mate_varlen_speedup=fms / varlen,
+                 err_vs_mate=rel_err(outv, flex(q1, k1, v1, block_mask=bm, enable_gqa=True).transpose(1, 2)[0])))
+    return meta
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
@@ -106,8 +203,12 @@ def main(argv=None):
     ap.add_argument("--extra", type=str, action="append", default=[],
                     help="DIM:key=value,... also time these tile overrides for head dim DIM, e.g. 64:block_m=192,threads=384")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--out", type=str, default=str(RESULTS / "gqa_h200.json"))
+    ap.add_argument("--options", action="store_true", help="time issue 17's options (varlen, sinks, softcap) instead")
+    ap.add_argument("--out", type=str, default=None, help="default benchmarks/results/gqa_h200.json (--options: gqa_options_h200.json)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("gqa_options_h200.json" if args.options else "gqa_h200.json"))
+    if args.options:
+        return options(args)
     # argparse takes "-1,0" for an option, so the causal window is also spelled "causal".
     windows = WINDOWS if args.windows is None else [(-1, 0) if w == "causal" else tuple(int(x) for x in w.split(",")) for w in args.windows]
 

@@ -13,7 +13,6 @@ is reported. The other source must define `gqa_fwd` with the same signature.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import math
 import sys
@@ -39,12 +38,11 @@ def load_build(path: Path):
 
 
 def compile_with(build, spec):
-    current = _dispatch.STAGES[swa.STAGE.name]
-    _dispatch.STAGES[swa.STAGE.name] = dataclasses.replace(current, build=build)
-    try:
-        return _dispatch.compile_program(swa.STAGE.name, spec, "sm90", _dispatch.tiles(swa.STAGE.name, spec, "sm90"))
-    finally:
-        _dispatch.STAGES[swa.STAGE.name] = current
+    """The program `build` makes for spec with the shipped tiles, compiled as the dispatcher would."""
+    import tilelang
+
+    program = build(**spec, **_dispatch.tiles(swa.STAGE.name, spec, "sm90"))
+    return tilelang.compile(program, target=_dispatch.TARGETS["sm90"][1], pass_configs=swa.STAGE.pass_config_dict())
 
 
 def run_case(builds: dict, window, dim, s) -> dict:

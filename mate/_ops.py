@@ -176,10 +176,11 @@ nsa_selection_attention = register(
     "nsa_selection_attention", selection.nsa_selection_attention,
     buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]))}, returns=_out_lse,
 )
-# gqa_attention takes no lse buffer: the op copies the one it returns into its own.
+# gqa_attention takes no lse buffer: the op copies the one it returns into its own ([B, H, Sq], varlen [H, total_q]).
 gqa_attention = register(
     "gqa_attention", swa.gqa_attention,
-    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]))}, fixed={"return_lse": True},
+    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]) if len(s) == 4 else (s[1], s[0]))},
+    fixed={"return_lse": True},
     returns=_out_or_both, types={"sliding_window": list[int] | None},
 )
 merge_attention_states = register(

@@ -175,6 +175,40 @@ def gqa_launcher(device, gen):
     return Problem(call, refresh)
 
 
+def gqa_varlen(window, D):
+    """Packed sequences (one empty, one with more rows than keys), sinks and softcap; the refresh permutes the
+    lengths (same totals, within the same max_seqlen_*) and redraws the sinks."""
+    H, Hkv = 4, 2
+    lens_q, lens_k = [30, 0, 75, 1, 9], [40, 0, 50, 90, 9]
+    max_q, max_k = max(lens_q), max(lens_k)
+
+    def make(device, gen):
+        q = tail_view(gen, (sum(lens_q), H, D), device=device)
+        k = tail_view(gen, (sum(lens_k) + 5, Hkv, D), device=device)[:-5]  # an unused tail past cu_seqlens_k[B]
+        v = tail_view(gen, (sum(lens_k) + 5, Hkv, D), device=device)[:-5]
+        cu_q = torch.zeros(len(lens_q) + 1, dtype=I32, device=device)
+        cu_k = torch.zeros_like(cu_q)
+        sinks = torch.empty(H, device=device)
+        out = torch.empty_like(q)
+
+        def refresh():
+            order = torch.randperm(len(lens_q), generator=gen)
+            cu_q[1:] = torch.tensor(lens_q, dtype=I32)[order].cumsum(0).to(device)
+            cu_k[1:] = torch.tensor(lens_k, dtype=I32)[order].cumsum(0).to(device)
+            sinks.copy_(torch.randn(H, generator=gen).to(device))
+            q.copy_(randn(gen, *q.shape, device=device))
+
+        def call(backend):
+            o = out if backend == "tilelang" else None
+            return mate.gqa_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                      sliding_window=window, sinks=sinks, softcap=8.0, out=o, return_lse=True, backend=backend)
+
+        refresh()
+        return Problem(call, refresh)
+
+    return make
+
+
 # ---------------------------------------------------------------- QSA sparse attention and SplitKV merge
 
 
@@ -272,6 +306,7 @@ CASES = {
     "gqa_local": gqa((16, 0), 45, 70, 64),
     "gqa_causal_short_keys": gqa((-1, 0), 70, 45, 128),  # the first 25 rows see nothing
     "gqa_launcher": gqa_launcher,
+    "gqa_varlen_sinks_softcap": gqa_varlen((20, 0), 64),
     "merge_states": merge_states,
     "qsa_paged": qsa_paged,
     "qsa_padded": qsa_padded,

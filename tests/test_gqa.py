@@ -20,8 +20,11 @@ def visible(i, j, sq, sk, left, right):
     return 0 <= j < sk and (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
 
 
-def naive(q, k, v, left, right, scale):
-    """Row by row in float64: softmax over the visible keys of the row's KV head; empty rows give 0 and -inf."""
+def naive(q, k, v, left, right, scale, sinks=None, softcap=None):
+    """Row by row in float64: softmax over the visible keys of the row's KV head; empty rows give 0 and -inf.
+
+    softcap: a score s becomes softcap * tanh(s / softcap); sinks [H]: one more logit per head in the
+    normaliser (and the LSE) whose value is 0 (an empty row then has LSE = the sink)."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     out = torch.zeros(B, Sq, H, D, dtype=torch.float64)
@@ -31,13 +34,17 @@ def naive(q, k, v, left, right, scale):
             kv = h // (H // Hkv)
             for i in range(Sq):
                 js = [j for j in range(Sk) if visible(i, j, Sq, Sk, left, right)]
-                if not js:
+                s = [float(q[b, i, h].double() @ k[b, j, kv].double()) * scale for j in js]
+                if softcap:
+                    s = [softcap * math.tanh(x / softcap) for x in s]
+                logits = s + ([float(sinks[h])] if sinks is not None else [])
+                if not logits:
                     continue
-                s = torch.tensor([float(q[b, i, h].double() @ k[b, j, kv].double()) * scale for j in js], dtype=torch.float64)
-                m = s.max()
-                w = torch.exp(s - m)
+                t = torch.tensor(logits, dtype=torch.float64)
+                m = t.max()
+                w = torch.exp(t - m)
                 lse[b, h, i] = m + torch.log(w.sum())
-                out[b, i, h] = sum(w[n] * v[b, j, kv].double() for n, j in enumerate(js)) / w.sum()
+                out[b, i, h] = sum((w[n] * v[b, j, kv].double() for n, j in enumerate(js)), torch.zeros(D, dtype=torch.float64)) / w.sum()
     return out, lse
 
 

@@ -22,13 +22,15 @@ def randn(*shape, dtype, scale=1.0):
 
 
 def assert_attention_matches(out, lse, ref_out, ref_lse, tol=1e-2):
-    """Exact empty-row pattern (LSE -inf, output 0), no NaN, relative norm errors under tol (out) and 1e-3 (LSE)."""
+    """Exact empty-row pattern (LSE -inf, output 0), no NaN, relative norm errors under tol (out) and 1e-3 (LSE).
+
+    LSE [B, H, Sq] for out [B, Sq, H, D], or [H, total_q] for varlen out [total_q, H, D]."""
     assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
     assert not torch.isnan(lse).any(), "NaN in LSE (unwritten element?)"
     empty = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), empty), f"-inf LSE pattern differs at {torch.nonzero(torch.isinf(lse) != empty)[:5].tolist()}"
     assert (lse[empty] < 0).all()
-    rows_empty = empty.permute(0, 2, 1)  # [B, Sq, H]
+    rows_empty = empty.transpose(-1, -2)  # [B, Sq, H] or [total_q, H]
     assert torch.equal(out[rows_empty].float(), torch.zeros_like(out[rows_empty].float())), "empty rows must be exactly 0"
     err = (out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)
     assert err < tol, f"relative output error {err:.3e}"

@@ -68,17 +68,21 @@ def _lines(text, word):
     return [line.split(" ", 1)[1] for line in (text or "").splitlines() if line.startswith(word + " ")]
 
 
-def _run(stage, cases):
+def _finish(child_args, n_cases, what):
+    """Run a child script (it prints `started NAME` / `finished NAME` per case) and require all n_cases to finish in time."""
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, stage, json.dumps(cases), str(LAUNCHES)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=LIMIT_S)
+        proc = subprocess.run([sys.executable, "-c", *child_args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
         started = _lines(out, "started")
-        pytest.fail(f"{stage}: not finished within {LIMIT_S} s; {len(_lines(out, 'finished'))} of {len(cases)} cases done, "
+        pytest.fail(f"{what}: not finished within {LIMIT_S} s; {len(_lines(out, 'finished'))} of {n_cases} cases done, "
                     f"the last one started: {started[-1] if started else 'none'} (a hung kernel?)")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(_lines(proc.stdout, "finished")) == len(cases)
+    assert len(_lines(proc.stdout, "finished")) == n_cases
+
+
+def _run(stage, cases):
+    _finish([CHILD, stage, json.dumps(cases), str(LAUNCHES)], len(cases), stage)
 
 
 @pytest.mark.parametrize("stage", sorted(TUNABLES))
@@ -90,3 +94,30 @@ def test_shipped_configs_finish_back_to_back_launches(stage):
 def test_one_stage_rings_of_generated_producers_finish(stage):
     assert all(tiles["num_stages"] == 1 and set(tiles) == set(_dispatch.STAGES[stage].params) for _, tiles in ONE_STAGE[stage])
     _run(stage, ONE_STAGE[stage])
+
+
+# gqa_attention's option variants (issue 17: varlen, sinks, softcap), which take the tiles of their
+# window class's entry: all three options on, for each head dim, on a packed batch of odd lengths.
+OPTIONS_CHILD = """
+import sys, torch, mate
+launches = int(sys.argv[1])
+lens_q, lens_k = [1000, 333, 1, 1500], [1000, 700, 2000, 1500]
+for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
+    q = torch.randn(sum(lens_q), 16, dim, device="cuda").bfloat16()
+    k = torch.randn(sum(lens_k), 2, dim, device="cuda").bfloat16()
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              sliding_window=window, sinks=torch.randn(16, device="cuda"), softcap=30.0, out=torch.empty_like(q))
+    name = f"gqa options d{dim} {window}"
+    print("started", name, flush=True)
+    for i in range(launches):
+        mate.gqa_attention(q, k, k, **kw)
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print("finished", name, flush=True)
+"""
+
+
+def test_gqa_option_variants_finish_back_to_back_launches():
+    _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")

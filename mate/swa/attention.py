@@ -9,22 +9,29 @@ Layout BSHD: q [B, Sq, H, D], k/v [B, Sk, H_kv, D], out [B, Sq, H, D], LSE [B, H
 causal; a Hugging Face window W is (W - 1, 0). A row that sees no key gets
 output 0 and LSE -inf.
 
+Also packed varlen sequences, paged caches, attention sinks and softcap (issue 17; see
+gqa_attention's docstring).
+
 Native: BF16/FP16, D 64 or 128, any H divisible by H_kv, each tensor with a
 unit feature stride and 16-byte aligned pointer and strides (TMA). One kernel
 per (dtype, D, window class) serves every geometry, length and window of its
 class: `none` (no window), `causal` (LEFT unbounded, RIGHT bounded) and
-`local` (LEFT bounded).
+`local` (LEFT bounded). Varlen, sinks and softcap are compile-time variants of
+that kernel with its class's tiles, compiled at first use (not by mate-precompile);
+with none of them the call takes the plain kernel, unchanged. Paged caches are
+reference-only for now.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from mate import _checks as C
-from mate import _dispatch
+from mate import _debug, _dispatch
 from mate.swa import reference
 from mate.swa.kernels.gqa_card import NATIVE_DIMS
 
@@ -77,7 +84,7 @@ def _native_dim(name: str, dim: int) -> None:
 
 
 def _launch(q, k, v, o, lse, left, right, scale, target) -> None:
-    """Run the native kernel on validated 4-D views; never reads device memory."""
+    """Run the dense kernel on validated 4-D views; never reads device memory."""
     kern = _dispatch.kernel(STAGE.name, _spec(q.dtype, q.shape[-1], left, right), target)
     cu = C.canonical_unit_strides
     kern(cu(q), cu(k), cu(v), cu(o), lse, scale * LOG2E, _runtime(left), _runtime(right))
@@ -96,83 +103,262 @@ def _run_native(q, k, v, o, left, right, scale, target) -> torch.Tensor:
     return lse
 
 
+@functools.cache
+def _ext_kernel(spec_items: tuple, varlen: bool, sinks: bool, softcap: bool, target: str):
+    """The program with options, compiled once per process: the tiles of its (dtype, dim, window) entry,
+    the options as compile-time flags (the plain path keeps _dispatch's kernel, untouched by them)."""
+    spec = dict(spec_items)
+    flags = dict(varlen=varlen, sinks=sinks, softcap=softcap)
+    return _dispatch.compile_program(STAGE.name, spec, target, {**_dispatch.tiles(STAGE.name, spec, target), **flags})
+
+
+def _run_native_ext(p, o) -> torch.Tensor:
+    """Varlen, sinks or softcap on the native kernel; shapes are validated, nothing is read back."""
+    q, k, v = p.q, p.k, p.v
+    varlen = p.cu_seqlens_q is not None
+    H = q.shape[-2]
+    lse = torch.empty((H, q.shape[0]) if varlen else (q.shape[0], H, q.shape[1]), dtype=torch.float32, device=q.device)
+    rows = q.shape[0] if varlen else q.shape[0] * q.shape[1]
+    if rows == 0:
+        return lse
+    if (k.shape[0] if varlen else k.shape[1]) == 0:  # no keys: every row sees nothing but the sink
+        o.zero_()
+        if p.sinks is None:
+            return lse.fill_(float("-inf"))
+        return lse.copy_(p.sinks.view(H, 1) if varlen else p.sinks.view(1, H, 1))
+    kern = _ext_kernel(tuple(_spec(q.dtype, q.shape[-1], p.left, p.right).items()), varlen, p.sinks is not None,
+                       p.softcap is not None, p.target)
+    four = (lambda x: x.unsqueeze(0)) if varlen else (lambda x: x)
+    cu = C.canonical_unit_strides
+    hold = _dispatch.placeholder(q.device, torch.int32, 1)
+    # With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units.
+    scale_log2 = LOG2E if p.softcap else p.scale * LOG2E
+    # The kernel reads offsets and sinks as dense vectors: a strided view goes in as a copy (captured with the call).
+    kern(cu(four(q)), cu(four(k)), cu(four(v)), cu(four(o)), four(lse),
+         p.cu_seqlens_q.contiguous() if varlen else hold, p.cu_seqlens_k.contiguous() if varlen else hold,
+         p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
+         scale_log2, _runtime(p.left), _runtime(p.right), p.softcap or 0.0, p.scale / p.softcap if p.softcap else 0.0,
+         p.max_seqlen_q if varlen else 0)
+    return lse
+
+
 def gqa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    block_table: torch.Tensor | None = None,
+    seq_lens_k: torch.Tensor | None = None,
     sliding_window=None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "tilelang",
 ):
-    """GQA attention forward: out [B, Sq, H, D] (q's dtype), and LSE [B, H, Sq] FP32 if return_lse.
+    """GQA attention forward: out (q's shape and dtype), and the FP32 LSE if return_lse.
 
-    q [B, Sq, H, D], k/v [B, Sk, H_kv, D] with H % H_kv == 0; Sq != Sk is
-    bottom-right aligned. sliding_window: None (full), (-1, 0) causal or
-    (LEFT, RIGHT) with -1 unbounded. scale multiplies q.k (default 1/sqrt(D)).
-    out, when given, is written in place and returned.
+    Layouts (query head h reads KV head h // (H // H_kv)):
+    - padded: q [B, Sq, H, D], k/v [B, Sk, H_kv, D]; LSE [B, H, Sq].
+    - varlen (FlashAttention's convention): q [total_q, H, D] with cu_seqlens_q int32 [B + 1]
+      (offsets from 0 to total_q) and max_seqlen_q; k/v [total_k, H_kv, D] with cu_seqlens_k
+      int32 [B + 1] (offsets within [0, total_k]) and max_seqlen_k; LSE [H, total_q].
+      max_seqlen_* are host ints at least every sequence's length (nothing is read back).
+    - paged: k/v caches [pages, page_size, H_kv, D] with block_table int32 [B, max_pages] and
+      seq_lens_k int32 [B]; q padded or varlen. Key j of sequence b sits on page
+      block_table[b, j // page_size] at slot j % page_size; -1 and out-of-range pages are masked.
+    Each sequence is bottom-right aligned: its row i sits at position i + Sk - Sq.
+    sliding_window: None (full), (-1, 0) causal or (LEFT, RIGHT) with -1 unbounded.
+    scale multiplies q.k (default 1/sqrt(D)); softcap (None or 0: off) makes a score
+    softcap * tanh(score / softcap) before masking; sinks, FP32 [H], adds one logit per head to
+    the softmax normaliser and the LSE (no value). A row with no visible key gets output 0 and
+    LSE -inf (with sinks, the sink's logit). out, when given, is written in place and returned.
+
+    backend='tilelang' (sm90): BF16/FP16, D 64 or 128, padded or varlen, sinks and softcap;
+    paged caches run on backend='reference' only for now.
     """
     p = _resolve(**locals())  # first statement: locals() is exactly the parameters
     if p.backend == "reference":
-        o, lse = reference.gqa_attention(p.q, p.k, p.v, p.left, p.right, p.scale)
+        o, lse = reference.general(
+            p.q, p.k, p.v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+            max_seqlen_k=p.max_seqlen_k, block_table=p.block_table, seq_lens_k=p.seq_lens_k, left=p.left, right=p.right,
+            scale=p.scale, sinks=p.sinks, softcap=p.softcap)
         out = o.to(p.q.dtype) if p.out is None else p.out.copy_(o)
     else:
         out = torch.empty_like(p.q, memory_format=torch.contiguous_format) if p.out is None else p.out
-        lse = _run_native(p.q, p.k, p.v, out, p.left, p.right, p.scale, p.target)
+        if p.plain:
+            lse = _run_native(p.q, p.k, p.v, out, p.left, p.right, p.scale, p.target)
+        else:
+            lse = _run_native_ext(p, out)
     return (out, lse) if p.return_lse else out
 
 
 class Problem(NamedTuple):
     """One gqa_attention call, resolved and checked (immutable, built once per call); the window
-    as (left, right) with -1 unbounded; target for backend='tilelang' only."""
+    as (left, right) with -1 unbounded; softcap None when off; plain: padded, no sinks, no softcap
+    (the kernel as it was before those options); target for backend='tilelang' only."""
 
     backend: str
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+    block_table: torch.Tensor | None
+    seq_lens_k: torch.Tensor | None
+    batch: int
     left: int
     right: int
+    sinks: torch.Tensor | None
+    softcap: float | None
     scale: float
     return_lse: bool
     out: torch.Tensor | None
+    plain: bool
     target: str | None
 
 
-def _resolve(q, k, v, *, sliding_window, scale, out, return_lse, backend) -> Problem:
-    """Every check of gqa_attention, in one order: inputs, devices, shapes, window, scalars, out,
-    the native limits."""
+def _max_seqlen(name: str, v, with_: str) -> int:
+    if v is None:
+        raise ValueError(f"{name} is required with {with_} (a host int, at least every sequence's length)")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+def _offsets(name: str, cu, batch: int | None) -> int:
+    """cu_seqlens int32 [B + 1] (B >= 1); returns B, which must equal batch when given."""
+    C.int32(name, cu, ndim=1)
+    if cu.shape[0] < 2:
+        raise ValueError(f"{name} must hold B + 1 >= 2 offsets, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(f"{name} must have shape ({batch + 1},) (B + 1 offsets, B = {batch} from cu_seqlens_q), got {tuple(cu.shape)}")
+    return cu.shape[0] - 1
+
+
+def _softcap(v) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"softcap must be None or a float, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"softcap must be None, 0 (both disable it) or a positive finite number, got {v}")
+    return v or None
+
+
+def _layout(varlen_q, varlen_k, paged, max_seqlen_q, max_seqlen_k, seq_lens_k) -> None:
+    """Which metadata go together: varlen q with varlen k or a paged cache, padded q with padded k or a paged cache."""
+    if varlen_k and not varlen_q:
+        raise ValueError("cu_seqlens_k needs varlen q (cu_seqlens_q, q [total_q, H, D]); padded q takes padded k")
+    if varlen_k and paged:
+        raise ValueError("pass either cu_seqlens_k (varlen k) or block_table (a paged cache), not both")
+    if varlen_q and not varlen_k and not paged:
+        raise ValueError("varlen q (cu_seqlens_q) needs varlen k (cu_seqlens_k, max_seqlen_k) or a paged cache (block_table, seq_lens_k)")
+    if max_seqlen_q is not None and not varlen_q:
+        raise ValueError("max_seqlen_q applies to varlen q (with cu_seqlens_q), not padded q [B, Sq, H, D]")
+    if max_seqlen_k is not None and not varlen_k:
+        raise ValueError("max_seqlen_k applies to varlen k (with cu_seqlens_k); a paged cache's lengths are seq_lens_k")
+    if paged and seq_lens_k is None:
+        raise ValueError("block_table needs seq_lens_k (int32 [B], each sequence's key count)")
+    if seq_lens_k is not None and not paged:
+        raise ValueError("seq_lens_k applies to a paged cache (with block_table); varlen k takes cu_seqlens_k")
+
+
+def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
+             sliding_window, sinks, softcap, scale, out, return_lse, backend) -> Problem:
+    """Every check of gqa_attention, in one order: inputs and their layout (padded, varlen, paged),
+    devices, shapes, metadata, window, sinks and scalars, out, the debug value checks, the native limits."""
     backend = _dispatch.backend(backend)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        C.tensor(name, x, ndim=4)
+    varlen_q, paged, varlen_k = cu_seqlens_q is not None, block_table is not None, cu_seqlens_k is not None
+    _layout(varlen_q, varlen_k, paged, max_seqlen_q, max_seqlen_k, seq_lens_k)
+    q_shape = "[total_q, H, D]" if varlen_q else "[B, Sq, H, D]"
+    kv_shape = "[pages, page_size, H_kv, D]" if paged else "[total_k, H_kv, D]" if varlen_k else "[B, Sk, H_kv, D]"
+    for name, x, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
+        C.tensor(name, x)
+        if x.dim() != shape.count(",") + 1:
+            raise ValueError(f"{name} must be {shape} (rank {shape.count(',') + 1}) here, got shape {tuple(x.shape)}")
         C.floating(name, x)
     C.same_dtype(q=q, k=k, v=v)
     C.same_device(q=q, k=k, v=v)
-    B, Sq, H, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must be [B, Sk, H_kv, D] with B = {B} and D = {D} as in q, got {tuple(k.shape)}")
+    H, D = q.shape[-2], q.shape[-1]
+    if k.shape[-1] != D:
+        raise ValueError(f"k must be {kv_shape} with D = {D} as in q, got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    Hkv = k.shape[2]
+    Hkv = k.shape[-2]
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q's head count H = {H} must be a positive multiple of k's H_kv = {Hkv}")
+    # The metadata: the batch comes from q (padded) or cu_seqlens_q, and everything else must agree.
+    if varlen_q:
+        batch = _offsets("cu_seqlens_q", cu_seqlens_q, None)
+        max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q")
+        if max_seqlen_q == 0 and q.shape[0]:  # offsets run from 0 to total_q > 0: some sequence is longer
+            raise ValueError(f"max_seqlen_q is 0 but q holds {q.shape[0]} rows; it must be at least every sequence's length")
+    else:
+        batch = q.shape[0]
+    if varlen_k:
+        _offsets("cu_seqlens_k", cu_seqlens_k, batch)
+        max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, "cu_seqlens_k")
+    if paged:
+        C.block_table_rows(block_table, batch)
+        C.int32("seq_lens_k", seq_lens_k, shape=(batch,))
+    elif not varlen_q and k.shape[0] != batch:
+        raise ValueError(f"k must be [B, Sk, H_kv, D] with B = {batch} as in q, got {tuple(k.shape)}")
+    C.same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table, seq_lens_k=seq_lens_k)
     left, right = parse_window(sliding_window)
+    if sinks is not None:
+        C.tensor("sinks", sinks, ndim=1)
+        if sinks.dtype != torch.float32:
+            raise TypeError(f"sinks must be a float32 tensor (one logit per query head), got {sinks.dtype}")
+        if tuple(sinks.shape) != (H,):
+            raise ValueError(f"sinks must have shape ({H},) (one logit per query head), got {tuple(sinks.shape)}")
+        C.same_device(q=q, sinks=sinks)
+    softcap = _softcap(softcap)
     mult = C.score_multiplier(scale, None, max(D, 1))
     return_lse = C.flag("return_lse", return_lse)
     if out is not None:
         C.out_buffer("out", out, shape=q.shape, dtype=q.dtype, device=q.device)
-        C.no_overlap({"out": out}, {"q": q, "k": k, "v": v})
+        C.no_overlap({"out": out}, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                    "block_table": block_table, "seq_lens_k": seq_lens_k, "sinks": sinks})
+    if _debug.enabled():
+        _debug_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k)
+    plain = not varlen_q and not paged and sinks is None and softcap is None
     target = None
     if backend == "tilelang":
         C.native_dtype("q", q)
         _native_dim("q", D)
+        if paged:
+            raise ValueError("backend='tilelang' does not run paged caches (block_table) yet; use backend='reference'")
         for name, x in (("q", q), ("k", k), ("v", v)):
             C.vector_layout(name, x)
         if out is not None:
             C.vector_layout("out", out)
         target = _dispatch.target_of(q, "q")
-    return Problem(backend, q, k, v, left, right, mult, return_lse, out, target)
+    return Problem(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
+                   batch, left, right, sinks, softcap, mult, return_lse, out, plain, target)
+
+
+def _debug_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k) -> None:
+    """The values the call trusts (MATE_DEBUG_CHECKS): offsets, lengths within max_seqlen_*, page ids."""
+    for name, cu, total, exact, cap in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], True, max_seqlen_q),
+                                        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], False, max_seqlen_k)):
+        if cu is not None:
+            _debug.offsets(name, cu.long(), total, exact=exact)
+            _debug.lengths(f"{name}[b + 1] - {name}[b]", cu[1:] - cu[:-1], cap, f"max_seqlen_{name[-1]} = {cap}")
+    if block_table is not None:
+        pages, ps = k.shape[:2]
+        _debug.in_range("block_table", block_table, -1, pages, f" (the cache holds {pages} pages)")
+        _debug.lengths("seq_lens_k", seq_lens_k, block_table.shape[1] * ps, "keys a block_table row holds")
 
 
 # ---------------------------------------------------------------- the seed's launcher
