@@ -31,7 +31,7 @@ def test_the_api_modules_use_the_listed_stages():
     from mate.qsa import attention, indexer, merge
     from mate.swa import attention as swa
 
-    used = [attention.ATTENTION, indexer.LOGITS, indexer.DECODE, merge.STAGE, selection.STAGE, swa.STAGE]
+    used = [attention.ATTENTION, indexer.LOGITS, indexer.DECODE, merge.STAGE, selection.STAGE, selection.BWD_DQ, selection.BWD_DKV, swa.STAGE]
     assert sorted(s.name for s in used) == sorted(_dispatch.STAGES)
     assert all(_dispatch.STAGES[s.name] is s for s in used)
 
