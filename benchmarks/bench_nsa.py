@@ -17,7 +17,7 @@ block_size x D elements, so gathered bytes = used slots x 2 x block_size x D
 x 2 bytes. Correctness is checked against the reference on the last 64
 queries of every shape.
 
---probe adds, at the seed shape, runs that locate the time: T = 1, 4, 16
+--probe (without --train) adds, at the seed shape, runs that locate the time: T = 1, 4, 16
 (the slope is the cost of one gathered block, the intercept the per-query
 cost), "hot" indices that keep every query on the same 16 blocks, D = 64
 (half the bytes, the same MMA and softmax steps), other tile configurations
@@ -34,10 +34,12 @@ visible (query, key) pairs of each used slot (duplicates as often as they
 occur): forward 4 D per pair and head (QK^T, PV), backward 10 D (S and dP
 recomputed, dV, dQ, dK). mate's and FLA's gradients are compared with each
 other at every shape (relative norm error); the tests compare mate's with
-the reference.
+the reference. With --probe, the backward's time split (preparation and
+sort, dq kernel, dk/dv kernel) at the last length and first H:G, and other
+tiles of its two kernels.
 
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
-  python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--out FILE]
+  python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--probe] [--out FILE]
 """
 
 from __future__ import annotations
@@ -265,6 +267,57 @@ def run_train(L, H, G, T=T_SEL, fla=True):
     return row
 
 
+BWD_VARIANTS = [
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 4}),
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 5}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 1, "min_blocks": 3}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 1}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 2}),
+]
+
+
+def train_probe(L, H, G, T=T_SEL):
+    """Where the backward's time goes at one shape: the preparation (per-row metadata, the sort of the used
+    slots), the dq kernel, the dk/dv kernel; then other tiles of the two kernels, each checked against the
+    shipped tiles' gradients."""
+    from mate.nsa import selection
+
+    q, k, v = (torch.randn(1, L, n, D, device="cuda").to(DTYPE) for n in (H, G, G))
+    idx = draw_block_indices(1, L, L, G, T, BS)
+    do = torch.randn(q.shape, device="cuda").to(DTYPE)
+    p = selection._resolve(q, k, v, idx, block_size=BS, block_counts=None, cu_seqlens=None, scale=None, out=None, lse=None,
+                           backend="tilelang")
+    o, lse = selection._forward(p)
+    bufs = selection._backward_buffers(p)
+    a = selection._backward_args(p, o, lse, do, *bufs)
+    selection.launch_dq(p, a)
+    selection.launch_dkv(p, a)
+    torch.cuda.synchronize()
+    shipped = [x.clone() for x in bufs]
+    row = dict(L=L, H=H, G=G, T=T, prep_ms=median_ms(lambda: selection._backward_args(p, o, lse, do, *bufs)),
+               dq_ms=median_ms(lambda: selection.launch_dq(p, a)), dkv_ms=median_ms(lambda: selection.launch_dkv(p, a)), variants=[])
+    print("probe", json.dumps(row), flush=True)
+    key = _dispatch.spec_key({"dtype": "bfloat16", "dim": D, "block_size": BS})
+    for stage, tiles in BWD_VARIANTS:
+        dq_stage = stage.endswith("dq")
+        launch, outs = (selection.launch_dq, (0,)) if dq_stage else (selection.launch_dkv, (1, 2))
+        try:
+            with using_tiles("sm90", stage, key, tiles):
+                for i in outs:
+                    bufs[i].fill_(float("nan") if dq_stage else 0.0)  # dk/dv rows no block covers stay the caller's zeros
+                launch(p, a)
+                torch.cuda.synchronize()
+                errs = {("dq", "dk", "dv")[i]: rel_err(bufs[i], shipped[i]) for i in outs}
+                r = dict(stage=stage, tiles=tiles, ms=median_ms(lambda: launch(p, a)), rel_err_vs_shipped=errs)
+        except Exception as e:  # a failing candidate is reported, never chosen
+            r = dict(stage=stage, tiles=tiles, error=repr(e)[:300])
+        row["variants"].append(r)
+        print("variant", json.dumps(r), flush=True)
+    del q, k, v, idx, do, o, lse, bufs, a, shipped
+    torch.cuda.empty_cache()
+    return row
+
+
 def train_main(a):
     res = dict(environment(), setup=dict(B=1, D=D, T=a.T, block_size=BS, dtype="bfloat16",
                                          indices="T distinct random visible blocks, sorted, -1 pads",
@@ -281,6 +334,8 @@ def train_main(a):
         H, G = map(int, hg.split(":"))
         for L in a.lengths:
             res["rows"].append(run_train(L, H, G, T=a.T, fla=not a.no_fla and res["fla"] is not None))
+    if a.probe:
+        res["probe"] = train_probe(a.lengths[-1], *map(int, a.heads[0].split(":")), T=a.T)
     out = write_json(a.out or RESULTS / f"nsa_train_{res['gpu'].replace(' ', '_')}.json", res)
     print(f"\nGPU {res['gpu']}  commit {res['commit']}  fla {res['fla']}  -> {out}")
     print(f"{'H':>4} {'G':>2} {'L':>7} {'mate fwd':>9} {'mate f+b':>9} {'FLA fwd':>9} {'FLA f+b':>9} {'x FLA':>6} {'TFLOP/s':>8}  grad err vs FLA")
@@ -290,6 +345,11 @@ def train_main(a):
         print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {m['fwd_ms']:>9.2f} {m['fwd_bwd_ms']:>9.2f} {fmt(f.get('fwd_ms'))} "
               f"{fmt(f.get('fwd_bwd_ms'))} {fmt(r.get('speedup_fwd_bwd'), '6.2f')} {m['fwd_bwd_TFLOPs']:>8.0f}  "
               f"{r.get('grad_rel_err_vs_fla') or f.get('error', '')}")
+    if "probe" in res:
+        r = res["probe"]
+        print(f"backward at L={r['L']} H={r['H']} G={r['G']}: prep {r['prep_ms']:.2f} ms, dq {r['dq_ms']:.2f} ms, dk/dv {r['dkv_ms']:.2f} ms")
+        for v in r["variants"]:
+            print("  ", v["stage"], v["tiles"], f"{v['ms']:.2f} ms" if "ms" in v else v["error"], v.get("rel_err_vs_shipped", ""))
     return res
 
 

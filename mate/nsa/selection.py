@@ -177,12 +177,12 @@ def _resolve(q, k, v, block_indices, *, block_size, block_counts, cu_seqlens, sc
         _debug.lengths("block_counts", block_counts, n_slots, "slots a row holds")
     spec = target = None
     if backend == "tilelang":
-        spec, target = _native_limits(q, k, v, out, n_slots, block_size, group_heads)
+        spec, target = _native_limits(q, k, v, out, n_slots, block_size, group_heads, grad)
     unsq = (lambda x: None if x is None else x.unsqueeze(0)) if packed else (lambda x: x)  # noqa: E731
     return Problem(backend, q4, k4, v4, unsq(block_indices), unsq(block_counts), cu_seqlens, block_size, mult, group_heads,
                    unsq(out), unsq(lse), spec, target, grad)
-def _native_limits(q, k, v, out, n_slots: int, block_size: int, group_heads: int) -> tuple[dict, str]:
-    """What the native kernel runs (raises ValueError for the rest); returns its specialization and target."""
+def _native_limits(q, k, v, out, n_slots: int, block_size: int, group_heads: int, grad: bool) -> tuple[dict, str]:
+    """What the native kernels run (raises ValueError for the rest); returns their specialization and target."""
     D = q.shape[-1]
     C.native_dtype("q", q)
     if D not in NATIVE_DIMS:
@@ -213,7 +213,7 @@ def _native_limits(q, k, v, out, n_slots: int, block_size: int, group_heads: int
             f"backend='tilelang' supports up to {tiles['head_tile']} query heads per KV group, got H/G = {H}/{G} = {group_heads}; "
             "use backend='reference'"
         )
-    for stage in (BWD_DQ, BWD_DKV):
+    for stage in (BWD_DQ, BWD_DKV) if grad else ():
         _dispatch.tiles(stage.name, spec, target)  # the backward's entries exist (raises naming the supported set)
     return spec, target
 
@@ -313,22 +313,35 @@ def backward(p: Problem, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor) -
 
 
 def _native_backward(p: Problem, o, lse, do):
+    dq, dk, dv = _backward_buffers(p)
+    if dq.numel() and p.k.shape[1] and p.block_indices.shape[3]:
+        a = _backward_args(p, o, lse, do, dq, dk, dv)
+        launch_dq(p, a)
+        launch_dkv(p, a)
+    return dq, dk, dv
+
+
+def _backward_buffers(p: Problem):
+    """dq (every element written by the dq kernel), dk and dv (zeros: rows of blocks no query uses are not written)."""
+    dq = torch.empty(p.q.shape, dtype=p.q.dtype, device=p.q.device)
+    if dq.numel() and not (p.k.shape[1] and p.block_indices.shape[3]):
+        dq.zero_()
+    dk = torch.zeros(p.k.shape, dtype=p.k.dtype, device=p.k.device)
+    dv = torch.zeros(p.k.shape, dtype=p.k.dtype, device=p.k.device)
+    return dq, dk, dv
+
+
+def _backward_args(p: Problem, o, lse, do, dq, dk, dv) -> dict:
+    """The two kernels' arguments on flat token rows, and the sorted per-block lists of selecting queries
+    (device work only: no host sync)."""
     q, k, v = p.q, p.k, p.v
     B, M, H, D = q.shape
     N, G, n_slots = k.shape[1], k.shape[2], p.block_indices.shape[3]
     dev, bs = q.device, p.block_size
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)  # rows no used block covers keep these zeros
-    dv = torch.zeros(k.shape, dtype=k.dtype, device=dev)
-    if B * M * H == 0 or N == 0 or n_slots == 0:
-        return dq.zero_(), dk, dv
     TQ, TK = B * M, B * N
     flat = lambda x, heads: x.reshape(x.shape[0] * x.shape[1], heads, D)  # noqa: E731  views where the strides allow
-    qf, of, dof = flat(q, H), flat(o, H), flat(do.contiguous(), H)
-    kf, vf = flat(k, G), flat(v, G)
     idx = p.block_indices.reshape(TQ, G, n_slots)
     counts = p.block_counts.reshape(TQ, G) if p.block_counts is not None else idx[..., 0]
-    lse_f = lse.transpose(0, 1).reshape(H, TQ)
     token = torch.arange(TQ, device=dev, dtype=torch.int32)
     # Per query row: its sequence, the flat key row where that sequence's keys start, its position there,
     # and the end of those keys.
@@ -343,10 +356,6 @@ def _native_backward(p: Problem, o, lse, do):
         pos = token - key_base
         key_end = p.cu_seqlens[(seq + 1).clamp_max_(p.cu_seqlens.shape[0] - 1)]
         n_seq = p.cu_seqlens.shape[0] - 1
-    delta = torch.empty(H, TQ, dtype=torch.float32, device=dev)
-    dqf = dq.view(TQ, H, D)
-    _dispatch.kernel(BWD_DQ.name, p.spec, p.target)(
-        qf, of, dof, kf, vf, idx.unsqueeze(0), counts.unsqueeze(0), lse_f, key_base, pos, dqf, delta, p.scale, p.group_heads, int(p.block_counts is not None))
     # The queries of each used (key block, group), in a fixed order: a stable sort of the used slots by
     # (group, segment), where segment = block start // block_size + sequence index is one-to-one over a
     # group's blocks and below TK // block_size + n_seq.
@@ -359,12 +368,27 @@ def _native_backward(p: Problem, o, lse, do):
     seg = torch.arange(G, device=dev).view(1, G, 1) * n_seg + torch.div(start, bs, rounding_mode="floor") + seq.view(TQ, 1, 1)
     order = torch.sort(torch.where(used, seg, G * n_seg).flatten(), stable=True)
     bounds = torch.searchsorted(order.values, torch.arange(G * n_seg + 1, device=dev)).int()
-    entry_query = torch.div(order.indices, G * n_slots, rounding_mode="floor").int()
-    entry_start = start.flatten()[order.indices].int()
+    return dict(
+        q=flat(q, H), o=flat(o, H), do=flat(do.contiguous(), H), k=flat(k, G), v=flat(v, G), idx=idx.unsqueeze(0),
+        counts=counts.unsqueeze(0), lse=lse.transpose(0, 1).reshape(H, TQ), key_base=key_base, pos=pos,
+        dq=dq.view(TQ, H, D), delta=torch.empty(H, TQ, dtype=torch.float32, device=dev),
+        lo=bounds[:-1].view(G, n_seg), hi=bounds[1:].view(G, n_seg),
+        entry_query=torch.div(order.indices, G * n_slots, rounding_mode="floor").int(), entry_start=start.flatten()[order.indices].int(),
+        last_row=key_base + pos, key_end=key_end, dk=dk.view(TK, G, D), dv=dv.view(TK, G, D),
+    )
+
+
+def launch_dq(p: Problem, a: dict) -> None:
+    """delta = rowsum(dO * O) and dq (the dk/dv kernel reads delta)."""
+    _dispatch.kernel(BWD_DQ.name, p.spec, p.target)(
+        a["q"], a["o"], a["do"], a["k"], a["v"], a["idx"], a["counts"], a["lse"], a["key_base"], a["pos"], a["dq"], a["delta"],
+        p.scale, p.group_heads, int(p.block_counts is not None))
+
+
+def launch_dkv(p: Problem, a: dict) -> None:
     _dispatch.kernel(BWD_DKV.name, p.spec, p.target)(
-        qf, dof, kf, vf, lse_f, delta, bounds[:-1].view(G, n_seg), bounds[1:].view(G, n_seg), entry_query, entry_start, key_base + pos,
-        key_end, dk.view(TK, G, D), dv.view(TK, G, D), p.scale, p.group_heads)
-    return dq, dk, dv
+        a["q"], a["do"], a["k"], a["v"], a["lse"], a["delta"], a["lo"], a["hi"], a["entry_query"], a["entry_start"], a["last_row"],
+        a["key_end"], a["dk"], a["dv"], p.scale, p.group_heads)
 
 
 # ---------------------------------------------------------------- the pieces torch.compile's ops run
