@@ -112,6 +112,15 @@ def test_lse_and_indices_are_not_differentiable_and_no_grad_stays_plain(gen):
     assert dk.shape == k.shape and dk.abs().sum() > 0
 
 
+def test_no_double_backward(gen):
+    q, k, v = leaves(gen, 1, 5, 16, 1, 2, 8)
+    idx = nsa_indices(gen, 1, 5, 1, 3, 16, 4)
+    o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=4, backend="reference")
+    (dq,) = torch.autograd.grad(o.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dq.sum().backward()
+
+
 def test_out_buffers_are_refused_when_recording_for_autograd(gen):
     q, k, v = leaves(gen, 1, 5, 16, 1, 2, 8)
     idx = nsa_indices(gen, 1, 5, 1, 3, 16, 4)

@@ -291,6 +291,7 @@ class _Function(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward itself is not differentiable (no double backward)
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, block_indices, block_counts, cu_seqlens = ctx.saved_tensors
         p = ctx.problem._replace(q=q, k=k, v=v, block_indices=block_indices, block_counts=block_counts, cu_seqlens=cu_seqlens)
