@@ -17,7 +17,7 @@ block_size x D elements, so gathered bytes = used slots x 2 x block_size x D
 x 2 bytes. Correctness is checked against the reference on the last 64
 queries of every shape.
 
---probe adds, at the seed shape, runs that locate the time: T = 1, 4, 16
+--probe (without --train) adds, at the seed shape, runs that locate the time: T = 1, 4, 16
 (the slope is the cost of one gathered block, the intercept the per-query
 cost), "hot" indices that keep every query on the same 16 blocks, D = 64
 (half the bytes, the same MMA and softmax steps), other tile configurations
@@ -25,7 +25,21 @@ cost), "hot" indices that keep every query on the same 16 blocks, D = 64
 32 KB tiles from an L2-resident pool with no attention math (the gather's
 ceiling on this GPU).
 
+--train times training instead (forward + backward, autograd, the same
+indices) beside FLA's selection attention (fla-core 0.6.0's
+ParallelNSAFunction: its Triton selection forward and backward, H/G >= 16
+and a power of 2 only; needs fla and einops importable, --no-fla skips it),
+forward alone and forward + backward, with FLOPs counted exactly over the
+visible (query, key) pairs of each used slot (duplicates as often as they
+occur): forward 4 D per pair and head (QK^T, PV), backward 10 D (S and dP
+recomputed, dV, dQ, dK). mate's and FLA's gradients are compared with each
+other at every shape (relative norm error); the tests compare mate's with
+the reference. With --probe, the backward's time split (preparation and
+sort, dq kernel, dk/dv kernel) at the last length and first H:G, and other
+tiles of its two kernels.
+
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
+  python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--probe] [--out FILE]
 """
 
 from __future__ import annotations
@@ -189,14 +203,169 @@ def figures(result):
     return figs
 
 
+def visible_pairs(idx, N, bs):
+    """(query, key) pairs per KV group summed over the used slots: a slot of block j at position p sees
+    min(bs, p - j*bs + 1, N - j*bs) keys, 0 if unused."""
+    M = idx.shape[1]
+    pos = (N - M + torch.arange(M, device=idx.device)).view(1, M, 1, 1).long()
+    start = idx.long() * bs
+    seen = torch.minimum(torch.minimum(pos - start + 1, torch.full_like(start, bs)), N - start)
+    return int(torch.where((idx >= 0) & (start <= pos), seen, 0).sum())
+
+
+def run_train(L, H, G, T=T_SEL, fla=True):
+    B = 1
+    q, k, v = (torch.randn(B, L, n, D, device="cuda").to(DTYPE).requires_grad_() for n in (H, G, G))
+    idx = draw_block_indices(B, L, L, G, T, BS)
+    do = torch.randn(q.shape, device="cuda").to(DTYPE)
+    pairs = visible_pairs(idx, L, BS) * (H // G)
+    flops = dict(fwd=4 * D * pairs, bwd=10 * D * pairs)
+
+    def mate_fwd():
+        with torch.no_grad():
+            return mate.nsa_selection_attention(q, k, v, idx, block_size=BS)
+
+    def mate_train():
+        o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=BS)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, visible_pairs=pairs, flops=flops)
+    grads = mate_train()
+    torch.cuda.synchronize()
+    row["mate"] = dict(fwd_ms=median_ms(mate_fwd), fwd_bwd_ms=median_ms(mate_train))
+    row["mate"]["bwd_ms"] = row["mate"]["fwd_bwd_ms"] - row["mate"]["fwd_ms"]
+    if fla and H // G >= 16 and (H // G) & (H // G - 1) == 0:
+        try:
+            from fla.ops.nsa.parallel import ParallelNSAFunction
+
+            scale = D ** -0.5
+
+            def fla_fwd():
+                with torch.no_grad():
+                    return ParallelNSAFunction.apply(q, k, v, idx, T, BS, scale, None)
+
+            def fla_train():
+                return torch.autograd.grad(ParallelNSAFunction.apply(q, k, v, idx, T, BS, scale, None), (q, k, v), do)
+
+            fgrads = fla_train()
+            torch.cuda.synchronize()
+            row["fla"] = dict(fwd_ms=median_ms(fla_fwd), fwd_bwd_ms=median_ms(fla_train))
+            row["fla"]["bwd_ms"] = row["fla"]["fwd_bwd_ms"] - row["fla"]["fwd_ms"]
+            row["grad_rel_err_vs_fla"] = {n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, fgrads)}
+            row["speedup_fwd_bwd"] = row["fla"]["fwd_bwd_ms"] / row["mate"]["fwd_bwd_ms"]
+            del fgrads
+        except Exception as e:  # the baseline is context, never a reason to lose mate's numbers
+            row["fla"] = dict(error=repr(e)[:300])
+    for name in ("mate", "fla"):
+        r = row.get(name, {})
+        if "fwd_ms" in r:
+            r["fwd_TFLOPs"] = flops["fwd"] / r["fwd_ms"] / 1e9
+            r["fwd_bwd_TFLOPs"] = (flops["fwd"] + flops["bwd"]) / r["fwd_bwd_ms"] / 1e9
+    del q, k, v, idx, do, grads
+    torch.cuda.empty_cache()
+    print("train", json.dumps(row), flush=True)
+    return row
+
+
+BWD_VARIANTS = [
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 4}),
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 5}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 1, "min_blocks": 3}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 1}),
+    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 2}),
+]
+
+
+def train_probe(L, H, G, T=T_SEL):
+    """Where the backward's time goes at one shape: the preparation (per-row metadata, the sort of the used
+    slots), the dq kernel, the dk/dv kernel; then other tiles of the two kernels, each checked against the
+    shipped tiles' gradients."""
+    from mate.nsa import selection
+
+    q, k, v = (torch.randn(1, L, n, D, device="cuda").to(DTYPE) for n in (H, G, G))
+    idx = draw_block_indices(1, L, L, G, T, BS)
+    do = torch.randn(q.shape, device="cuda").to(DTYPE)
+    p = selection._resolve(q, k, v, idx, block_size=BS, block_counts=None, cu_seqlens=None, scale=None, out=None, lse=None,
+                           backend="tilelang")
+    o, lse = selection._forward(p)
+    bufs = selection._backward_buffers(p)
+    a = selection._backward_args(p, o, lse, do, *bufs)
+    selection.launch_dq(p, a)
+    selection.launch_dkv(p, a)
+    torch.cuda.synchronize()
+    shipped = [x.clone() for x in bufs]
+    row = dict(L=L, H=H, G=G, T=T, prep_ms=median_ms(lambda: selection._backward_args(p, o, lse, do, *bufs)),
+               dq_ms=median_ms(lambda: selection.launch_dq(p, a)), dkv_ms=median_ms(lambda: selection.launch_dkv(p, a)), variants=[])
+    print("probe", json.dumps(row), flush=True)
+    key = _dispatch.spec_key({"dtype": "bfloat16", "dim": D, "block_size": BS})
+    for stage, tiles in BWD_VARIANTS:
+        dq_stage = stage.endswith("dq")
+        launch, outs = (selection.launch_dq, (0,)) if dq_stage else (selection.launch_dkv, (1, 2))
+        try:
+            with using_tiles("sm90", stage, key, tiles):
+                for i in outs:
+                    bufs[i].fill_(float("nan") if dq_stage else 0.0)  # dk/dv rows no block covers stay the caller's zeros
+                launch(p, a)
+                torch.cuda.synchronize()
+                errs = {("dq", "dk", "dv")[i]: rel_err(bufs[i], shipped[i]) for i in outs}
+                r = dict(stage=stage, tiles=tiles, ms=median_ms(lambda: launch(p, a)), rel_err_vs_shipped=errs)
+        except Exception as e:  # a failing candidate is reported, never chosen
+            r = dict(stage=stage, tiles=tiles, error=repr(e)[:300])
+        row["variants"].append(r)
+        print("variant", json.dumps(r), flush=True)
+    del q, k, v, idx, do, o, lse, bufs, a, shipped
+    torch.cuda.empty_cache()
+    return row
+
+
+def train_main(a):
+    res = dict(environment(), setup=dict(B=1, D=D, T=a.T, block_size=BS, dtype="bfloat16",
+                                         indices="T distinct random visible blocks, sorted, -1 pads",
+                                         tiles={s: _dispatch.tiles(s, {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")
+                                                for s in ("nsa_selection", "nsa_selection_bwd_dq", "nsa_selection_bwd_dkv")}),
+               rows=[])
+    try:
+        import fla
+
+        res["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        res["fla"] = None
+    for hg in a.heads:
+        H, G = map(int, hg.split(":"))
+        for L in a.lengths:
+            res["rows"].append(run_train(L, H, G, T=a.T, fla=not a.no_fla and res["fla"] is not None))
+    if a.probe:
+        res["probe"] = train_probe(a.lengths[-1], *map(int, a.heads[0].split(":")), T=a.T)
+    out = write_json(a.out or RESULTS / f"nsa_train_{res['gpu'].replace(' ', '_')}.json", res)
+    print(f"\nGPU {res['gpu']}  commit {res['commit']}  fla {res['fla']}  -> {out}")
+    print(f"{'H':>4} {'G':>2} {'L':>7} {'mate fwd':>9} {'mate f+b':>9} {'FLA fwd':>9} {'FLA f+b':>9} {'x FLA':>6} {'TFLOP/s':>8}  grad err vs FLA")
+    for r in res["rows"]:
+        m, f = r["mate"], r.get("fla", {})
+        fmt = lambda x, p="9.2f": ("-" if x is None else format(x, p))  # noqa: E731
+        print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {m['fwd_ms']:>9.2f} {m['fwd_bwd_ms']:>9.2f} {fmt(f.get('fwd_ms'))} "
+              f"{fmt(f.get('fwd_bwd_ms'))} {fmt(r.get('speedup_fwd_bwd'), '6.2f')} {m['fwd_bwd_TFLOPs']:>8.0f}  "
+              f"{r.get('grad_rel_err_vs_fla') or f.get('error', '')}")
+    if "probe" in res:
+        r = res["probe"]
+        print(f"backward at L={r['L']} H={r['H']} G={r['G']}: prep {r['prep_ms']:.2f} ms, dq {r['dq_ms']:.2f} ms, dk/dv {r['dkv_ms']:.2f} ms")
+        for v in r["variants"]:
+            print("  ", v["stage"], v["tiles"], f"{v['ms']:.2f} ms" if "ms" in v else v["error"], v.get("rel_err_vs_shipped", ""))
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--heads", nargs="*", default=["128:8", "64:8", "64:4"], help="H:G pairs")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--train", action="store_true", help="forward + backward beside FLA")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--T", type=int, default=T_SEL)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.train:
+        return train_main(a)
     res = dict(
         environment(),
         cudnn=torch.backends.cudnn.version(),

@@ -172,10 +172,66 @@ def _out_or_both(a, out, lse):
     return (out, lse) if a["return_lse"] else out
 
 
-nsa_selection_attention = register(
+_nsa_selection_attention = register(
     "nsa_selection_attention", selection.nsa_selection_attention,
-    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[0], s[2], s[1]))}, returns=_out_lse,
+    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[1], s[0]) if len(s) == 3 else (s[0], s[2], s[1]))},
+    returns=_out_lse,
 )
+
+
+# Training under torch.compile: a functional op (autograd does not differentiate ops that write their
+# arguments) with its backward registered, taken when q, k or v require grad (then out and lse are refused).
+@torch.library.custom_op("mate::nsa_selection_attention_train", mutates_args=())
+def _nsa_train(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, block_counts: Tensor | None,
+               cu_seqlens: Tensor | None, scale: float | None, backend: str) -> tuple[Tensor, Tensor]:
+    return selection.training_forward(q, k, v, block_indices, block_size, block_counts, cu_seqlens, scale, backend)
+
+
+@_nsa_train.register_fake
+def _(q, k, v, block_indices, block_size, block_counts, cu_seqlens, scale, backend):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mate::nsa_selection_attention_backward", mutates_args=())
+def _nsa_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor, block_size: int,
+                  block_counts: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return selection.training_backward(do, q, k, v, o, lse, block_indices, block_size, block_counts, cu_seqlens, scale, backend)
+
+
+@_nsa_backward.register_fake
+def _(do, q, k, v, o, lse, block_indices, block_size, block_counts, cu_seqlens, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _nsa_setup(ctx, inputs, output):
+    q, k, v, block_indices, ctx.block_size, block_counts, cu_seqlens, ctx.scale, ctx.backend = inputs
+    ctx.save_for_backward(q, k, v, *output, block_indices, block_counts, cu_seqlens)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _nsa_grad(ctx, do, _dlse):
+    q, k, v, o, lse, block_indices, block_counts, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _nsa_backward(do.contiguous(), q, k, v, o, lse, block_indices, ctx.block_size, block_counts, cu_seqlens, ctx.scale,
+                               ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_nsa_train.register_autograd(_nsa_grad, setup_context=_nsa_setup)
+_NSA_SIG = inspect.signature(selection.nsa_selection_attention)
+
+
+@functools.wraps(selection.nsa_selection_attention)
+def nsa_selection_attention(*args, **kwargs):
+    if _compiling():
+        a = _bind(_NSA_SIG, args, kwargs)
+        grad = torch.is_grad_enabled() and any(isinstance(a[n], Tensor) and a[n].requires_grad for n in ("q", "k", "v"))
+        if grad and a["out"] is None and a["lse"] is None:
+            return _nsa_train(a["q"], a["k"], a["v"], a["block_indices"], a["block_size"], a["block_counts"], a["cu_seqlens"],
+                              a["scale"], a["backend"])
+    return _nsa_selection_attention(*args, **kwargs)
+
+
 # gqa_attention takes no lse buffer: the op copies the one it returns into its own ([B, H, Sq], varlen [H, total_q]).
 gqa_attention = register(
     "gqa_attention", swa.gqa_attention,

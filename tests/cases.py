@@ -130,6 +130,31 @@ def nsa_selection(device, gen):
     return Problem(call, refresh)
 
 
+def nsa_packed(device, gen):
+    """Packed sequences (cu_seqlens): an empty one, one shorter than a block, block ids local to each."""
+    lens, G, hpg, D, T, bs = [0, 5, 40, 1, 90], 2, 4, 128, 5, 64
+    total = sum(lens)
+    q = tail_view(gen, (total, G * hpg, D), device=device)
+    kv = tail_view(gen, (total, 2, G, D), device=device)
+    k, v = kv[:, 0], kv[:, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=I32, device=device)
+    idx = torch.zeros(total, G, T, dtype=I32, device=device)
+    out = torch.empty(total, G * hpg, D, dtype=BF16, device=device)
+    lse = torch.empty(G * hpg, total, device=device)
+
+    def refresh():
+        idx.copy_(torch.cat([nsa_indices(gen, 1, n, G, T, n, bs)[0] for n in lens if n]).to(device))
+        q.copy_(randn(gen, *q.shape, device=device))
+
+    def call(backend):
+        if backend == "reference":
+            return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, backend=backend)
+        return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, out=out, lse=lse)
+
+    refresh()
+    return Problem(call, refresh)
+
+
 # ---------------------------------------------------------------- GQA
 
 
@@ -303,6 +328,7 @@ CASES = {
     "mqa_prefill": mqa_prefill,
     "mqa_decode": mqa_decode,
     "nsa_selection": nsa_selection,
+    "nsa_packed": nsa_packed,
     "gqa_local": gqa((16, 0), 45, 70, 64),
     "gqa_causal_short_keys": gqa((-1, 0), 70, 45, 128),  # the first 25 rows see nothing
     "gqa_launcher": gqa_launcher,

@@ -121,3 +121,40 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
 
 def test_gqa_option_variants_finish_back_to_back_launches():
     _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")
+
+
+# The NSA backward kernels (no tuner entry yet): forward + backward of every key of the shipped config,
+# LAUNCHES times back to back (each backward launches the dq and the dk/dv kernel).
+BACKWARD_CHILD = """
+import sys, torch, mate
+from mate import _dispatch
+from test_nsa_gpu import draw_indices
+launches = int(sys.argv[1])
+for key in _dispatch.load_config("sm90")["nsa_selection_bwd_dq"]:
+    spec = _dispatch.parse_key(key)
+    dt, D, bs = getattr(torch, spec["dtype"]), spec["dim"], spec["block_size"]
+    q, k, v = (torch.randn(1, 2048, n, D, device="cuda").to(dt).requires_grad_() for n in (16, 2, 2))
+    idx = draw_indices(1, 2048, 2, 16, 2048, bs)
+    do = torch.randn(q.shape, device="cuda").to(dt)
+    o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=bs)
+    print("started", key, flush=True)
+    for i in range(launches):
+        torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print("finished", key, flush=True)
+"""
+
+
+def test_nsa_backward_finishes_back_to_back_launches():
+    keys = list(_dispatch.load_config("sm90")["nsa_selection_bwd_dq"])
+    try:
+        proc = subprocess.run([sys.executable, "-c", BACKWARD_CHILD, str(LAUNCHES)], cwd=ROOT / "tests", capture_output=True, text=True,
+                              timeout=LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
+        started = _lines(out, "started")
+        pytest.fail(f"NSA backward: not finished within {LIMIT_S} s; the last key started: {started[-1] if started else 'none'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_lines(proc.stdout, "finished")) == len(keys)

@@ -70,3 +70,77 @@ def selection_attention(q, k, v, block_indices, block_counts, block_size, scale,
         out[:, m0:m1] = o.permute(0, 2, 1, 3, 4).reshape(B, m1 - m0, H, D)
         lse[:, :, m0:m1] = row_lse.reshape(B, m1 - m0, H).transpose(1, 2)
     return out, lse
+
+
+def selection_attention_backward(q, k, v, o, lse, do, block_indices, block_counts, block_size, scale, chunk_elems=1 << 24):
+    """dq [B, M, H, D], dk, dv [B, N, G, D] (FP32) of selection_attention, from its output o and LSE.
+
+    The flash form: P = mult * exp(scale * q.k - LSE) on the used keys (mult counts a block's
+    occurrences in the row), delta = rowsum(dO * O), dS = P * (dO.v - delta),
+    dq = scale * dS.k, dk = scale * dS^T.q, dv = P^T.dO. Unused keys have P = dS = 0 by
+    selection (never 0 * x), so NaN in keys or values no row uses reaches no gradient.
+    """
+    B, M, H, D = q.shape
+    N, G = k.shape[1], k.shape[2]
+    hpg = H // G
+    dev = q.device
+    dq = torch.zeros(B, M, H, D, dtype=torch.float32, device=dev)
+    dk = torch.zeros(B, N, G, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros(B, N, G, D, dtype=torch.float32, device=dev)
+    if B * M * H == 0 or N == 0 or block_indices.shape[-1] == 0:
+        return dq, dk, dv
+    n_blocks = math.ceil(N / block_size)
+    used = used_slots(block_indices, block_counts, N, block_size)
+    kf, vf = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # [B, G, N, D]
+    key_block = torch.arange(N, device=dev) // block_size
+    chunk = max(1, chunk_elems // max(1, B * H * N))
+    for m0 in range(0, M, chunk):
+        m1 = min(M, m0 + chunk)
+        mc = m1 - m0
+        mult = torch.zeros(B, mc, G, n_blocks, dtype=torch.float32, device=dev)
+        mult.scatter_add_(-1, block_indices[:, m0:m1].long().clamp(0, n_blocks - 1), used[:, m0:m1].float())
+        key_mult = mult[..., key_block].permute(0, 2, 1, 3).unsqueeze(3)  # [B, G, mc, 1, N]
+        pos = N - M + torch.arange(m0, m1, device=dev)
+        ok = (key_mult > 0) & (torch.arange(N, device=dev) <= pos[:, None])[None, None, :, None, :]
+        grouped = lambda x: x[:, m0:m1].float().reshape(B, mc, G, hpg, D).permute(0, 2, 1, 3, 4)  # noqa: E731  [B, G, mc, hpg, D]
+        qc, oc, doc = grouped(q), grouped(o), grouped(do)
+        row_lse = lse[:, :, m0:m1].reshape(B, G, hpg, mc).permute(0, 1, 3, 2).unsqueeze(-1)  # [B, G, mc, hpg, 1]
+        s = torch.einsum("bgmhd,bgnd->bgmhn", qc, kf) * scale
+        p = torch.where(ok, key_mult * torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0)), 0.0)
+        dp = torch.einsum("bgmhd,bgnd->bgmhn", doc, vf)
+        delta = (doc * oc).sum(-1, keepdim=True)
+        ds = torch.where(ok, p * (dp - delta), 0.0)
+        dq[:, m0:m1] = (visible_value_sum(ds, ok, kf.unsqueeze(2)) * scale).permute(0, 2, 1, 3, 4).reshape(B, mc, H, D)
+        dk += torch.einsum("bgmhn,bgmhd->bngd", ds, qc) * scale
+        dv += torch.einsum("bgmhn,bgmhd->bngd", p, doc)
+    return dq, dk, dv
+
+
+def sequences(cu_seqlens):
+    """(start, end) of each packed sequence (reads cu_seqlens on the host: the reference may)."""
+    cu = cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def varlen_selection_attention(q, k, v, block_indices, block_counts, cu_seqlens, block_size, scale):
+    """O [T, H, D] and LSE [H, T] of packed sequences: each one is a padded problem of its own (M = N)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), NEG_INF, dtype=torch.float32, device=q.device)
+    for a, b in sequences(cu_seqlens):
+        counts = None if block_counts is None else block_counts[None, a:b]
+        o1, l1 = selection_attention(q[None, a:b], k[None, a:b], v[None, a:b], block_indices[None, a:b], counts, block_size, scale)
+        out[a:b], lse[:, a:b] = o1[0], l1[0]
+    return out, lse
+
+
+def varlen_selection_attention_backward(q, k, v, o, lse, do, block_indices, block_counts, cu_seqlens, block_size, scale):
+    """dq [T, H, D], dk, dv [T, G, D] (FP32) of varlen_selection_attention."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    for a, b in sequences(cu_seqlens):
+        counts = None if block_counts is None else block_counts[None, a:b]
+        g = selection_attention_backward(q[None, a:b], k[None, a:b], v[None, a:b], o[None, a:b], lse[None, :, a:b], do[None, a:b],
+                                         block_indices[None, a:b], counts, block_size, scale)
+        dq[a:b], dk[a:b], dv[a:b] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv

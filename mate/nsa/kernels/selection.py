@@ -179,7 +179,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
     assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
     per_tile = TILE_KEYS // block_size
-    B, M, N, H, G, TT = T.dynamic("B M N H G TT")
+    B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
         "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
     )
@@ -193,9 +193,11 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
         BC: T.StridedTensor((B, M, G), (scb, scm, scg), "int32"),
         O: T.StridedTensor((B, M, H, dim), (sob, som, soh, 1), dtype),
         LSE: T.StridedTensor((B, H, M), (slb, slh, slm), "float32"),
+        ST: T.Tensor((NS,), "int32"),
         scale: T.float32,
         group_heads: T.int32,
         use_counts: T.int32,
+        varlen: T.int32,
     ):
         # A producer warpgroup (of which warp 0 works) and the consumer warpgroup.
         with T.Kernel(M, G, B, threads=2 * threads) as (bm, bg, bb):
@@ -227,7 +229,10 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             T.assume(som % 8 == 0)
             T.assume(soh % 8 == 0)
 
-            pos = N - M + bm  # bottom-right aligned causal position of this query
+            # Bottom-right aligned causal position of this query; packed sequences (varlen, B = 1): its index
+            # in its sequence, whose keys start at row ST[bm].
+            key_base = ST[bm * varlen] * varlen  # (padded: ST is a 1-element placeholder)
+            pos = T.if_then_else(varlen != 0, bm - key_base, N - M + bm)
             last_block = T.if_then_else(pos >= 0, pos // block_size, -1)  # blocks <= this have a visible token
             slots = T.min(T.if_then_else(use_counts != 0, T.max(BC[bb, bm, bg], 0), TT), TT)
             h0 = bg * group_heads
@@ -252,8 +257,8 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                         st = it % num_stages
                         # A 64-key tile is one block (block_size 64) or two (block_size 32; an odd last
                         # block pairs with a masked repeat of a valid one).
-                        n0 = blocks[it * per_tile] * block_size
-                        n1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
+                        n0 = key_base + blocks[it * per_tile] * block_size
+                        n1 = key_base + blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
                         _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
                         _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
             else:

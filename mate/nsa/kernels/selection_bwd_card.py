@@ -1,0 +1,68 @@
+"""Stage cards of the NSA selection attention backward (mate.nsa.kernels.selection_bwd).
+
+Importable without TileLang. The programs import the constants below (and the
+forward card's), so their buffers and these resource models are computed from
+the same numbers.
+"""
+
+from mate._stage import Stage
+from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize
+from mate.nsa.kernels.selection_card import MAX_GROUP, MAX_SLOTS, SPARE_REGS, TILE_KEYS
+
+
+def _fits(t, smem: int, regs: int) -> str | None:
+    """Whether min_blocks CTAs of `smem` bytes and `regs` registers per thread (beside SPARE_REGS) share an SM."""
+    if t["min_blocks"] * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
+        return f"{t['min_blocks']} CTAs of {smem} B shared memory do not fit in one SM"
+    cap = min(MAX_REGS, REGS_PER_SM // (t["threads"] * t["min_blocks"]))
+    if regs + SPARE_REGS > cap:
+        return f"{t['min_blocks']} CTAs per SM cap registers at {cap} per thread, below {regs} + {SPARE_REGS}"
+    return None
+
+
+def _common(t) -> str | None:
+    if t["threads"] != WARPGROUP:
+        return "the kernel's MMA tiles are sized for one warpgroup (threads=128)"
+    if t["head_tile"] != MAX_GROUP:
+        return f"head_tile below {MAX_GROUP} would refuse the supported H/G = {MAX_GROUP}; above {MAX_GROUP} wastes MMA columns"
+    return None
+
+
+def _dq_limits(spec, t):
+    why = _common(t)
+    if why:
+        return why
+    d, ht, es = spec["dim"], t["head_tile"], itemsize(spec["dtype"])
+    # Q and dO, the K and V tile, dS (input dtype); per head the LSE (log2) and delta, and the delta
+    # reduction's scratch (FP32); the compacted block list and its count.
+    smem = es * (2 * ht * d + 2 * TILE_KEYS * d + TILE_KEYS * ht) + 4 * (2 * ht + t["threads"]) + MAX_SLOTS * 4 + 4
+    # dq^T, S, dP (FP32), dS (16-bit), the O.dO products of the delta pre-pass (FP32)
+    regs = (d * ht + 2 * TILE_KEYS * ht + ht * d) // t["threads"] + TILE_KEYS * ht // 2 // t["threads"]
+    return _fits(t, smem, regs)
+
+
+def _dkv_limits(spec, t):
+    why = _common(t)
+    if why:
+        return why
+    d, cols, es = spec["dim"], t["head_tile"] * t["queries"], itemsize(spec["dtype"])
+    # The K and V tile, Q and dO of `queries` entries, P and dS (input dtype); per column the LSE (log2),
+    # delta and the query's last visible key row.
+    smem = es * (2 * TILE_KEYS * d + 2 * cols * d + 2 * TILE_KEYS * cols) + 12 * cols
+    # dK, dV, S, dP (FP32), P and dS (16-bit)
+    regs = (2 * TILE_KEYS * d + 2 * TILE_KEYS * cols) // t["threads"] + TILE_KEYS * cols // t["threads"]
+    return _fits(t, smem, regs)
+
+
+DQ = Stage(
+    "nsa_selection_bwd_dq", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dq",
+    space=dict(head_tile=(16,), threads=(128,), min_blocks=(1, 2, 3, 4, 5)),
+    keys=("dtype", "dim", "block_size"),
+    limits=_dq_limits,
+)
+DKV = Stage(
+    "nsa_selection_bwd_dkv", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dkv",
+    space=dict(head_tile=(16,), threads=(128,), queries=(1, 2, 4), min_blocks=(1, 2, 3)),
+    keys=("dtype", "dim", "block_size"),
+    limits=_dkv_limits,
+)
