@@ -187,7 +187,7 @@ class Problem(NamedTuple):
     "paged", "varlen" (reference only) or "physical"; n_req is None for physical ids. For
     backend='tilelang' the rest holds the target and the row views the kernels take (query,
     indices, hint, positions, out, lse and gate with their batch/query axes as one row axis,
-    FP32 gate per element, out and lse allocated where the caller passed none).
+    the gate per element in the inputs' dtype or FP32, out and lse allocated where the caller passed none).
 
     Immutable and built once per call; a NamedTuple because a frozen dataclass costs about
     2 us more to build, which launch-bound decode calls would feel.
@@ -480,10 +480,12 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
 def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     """SplitKV count for `num_splits=None`: fill one wave of CTAs (one per SM), at least 2 tiles a split.
 
-    Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
-    times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
-    82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
-    One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
+    The caller then evens the shares (no split without tiles): 2051 tokens (33 tiles) in 16 splits run as 11
+    of 3 tiles. Measured on the H200 with the merge fused into the attention launch (cold graph, us,
+    benchmarks/results/qsa_attention_fused_h200.json; num_splits asked -> splits run): batch 1 (2 row-heads)
+    4->4 67.5, 8->7 59.6, 11 56.6, 17 59.2, 33 64.7 (this rule: 11); batch 8 (16) 2 79.9, 4 64.8, 6 60.0,
+    8->7 64.8, 11 77.9, 17 90.0 (this rule: 7); batch 64 (128) 1/2/3/4 splits 103/153/201/215; batch 256
+    1/2 splits 266/626. One CTA fits an SM (215 KB of shared memory), so a second wave costs a whole CTA's time.
     """
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
 
