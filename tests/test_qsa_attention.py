@@ -619,17 +619,3 @@ def test_split_heuristic_fills_one_wave():
 
     assert [choose_splits(rows * 2, 33, 132) for rows in (1, 8, 64, 256, 4096)] == [16, 8, 1, 1, 1]
     assert choose_splits(1, 1, 132) == 1  # one tile is never split
-
-
-def test_split_shared_memory_holds_the_fused_merge():
-    """The split kernel adds the merge's weights and sums per (head, split) and the last-split flag: 4164 B at
-    head_tile 16 (measured from the generated CUDA: float wts[1024], float lsum[16], int last_split[1]); its
-    3-stage ring still fits one CTA."""
-    from mate._hopper import SMEM_PER_CTA
-    from mate.qsa.kernels import sparse_card
-
-    tiles = dict(head_tile=16, num_stages=3)
-    plain = sparse_card.attention_smem(dict(dtype="bfloat16", split=0), tiles)
-    split = sparse_card.attention_smem(dict(dtype="bfloat16", split=1), tiles)
-    assert split - plain == 4 * (16 * sparse_card.MAX_SPLITS + 16 + 1) == 4164
-    assert split <= SMEM_PER_CTA

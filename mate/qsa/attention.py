@@ -39,9 +39,9 @@ import torch
 
 from mate import _checks as C
 from mate import _debug, _dispatch
-from mate.qsa import reference
+from mate.qsa import merge, reference
 from mate.qsa.kernels import sparse_card
-from mate.qsa.kernels.sparse_card import CANONICAL_GEOMETRY, MAX_GROUP, MAX_SPLITS
+from mate.qsa.kernels.sparse_card import CANONICAL_GEOMETRY, MAX_GROUP
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
 NATIVE_DIM = sparse_card.DIM
@@ -166,9 +166,8 @@ def qsa_sparse_attention(
     backend="reference" runs the FP32 PyTorch oracle on any device and layout.
     backend="tilelang" (default) runs the native sm90 kernels (mate/qsa/kernels/sparse.py) for
     BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
-    flattened query with paged K/V, and BF16 physical ids; with SplitKV, the split of a (row, KV head)
-    that finishes last merges the FP32 partials (with the gate) in the same launch, in split order,
-    so the result is bitwise the same run to run. num_splits=None picks the split count from the row count (see
+    flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
+    gate) by the native merge. num_splits=None picks the split count from the row count (see
     choose_splits). Every native kernel is warp-specialized already (a cp.async producer
     warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
     canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
@@ -187,7 +186,7 @@ class Problem(NamedTuple):
     "paged", "varlen" (reference only) or "physical"; n_req is None for physical ids. For
     backend='tilelang' the rest holds the target and the row views the kernels take (query,
     indices, hint, positions, out, lse and gate with their batch/query axes as one row axis,
-    the gate per element in the inputs' dtype or FP32, out and lse allocated where the caller passed none).
+    FP32 gate per element, out and lse allocated where the caller passed none).
 
     Immutable and built once per call; a NamedTuple because a frozen dataclass costs about
     2 us more to build, which launch-bound decode calls would feel.
@@ -230,8 +229,7 @@ class NativeRows(NamedTuple):
     query_positions: torch.Tensor | None
     o: torch.Tensor
     lse_rows: torch.Tensor  # the placeholder when no lse is wanted
-    gate: torch.Tensor  # [rows, Hq, D] in the inputs' dtype, or the placeholder
-    gate_f32: torch.Tensor  # [rows, Hq, D] FP32 (a gate of any other dtype), or the placeholder
+    gate: torch.Tensor  # FP32 [rows, Hq, D], or the placeholder
 
 
 def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k,
@@ -462,6 +460,7 @@ def reference_run(p: Problem):
 # ---------------------------------------------------------------- native path
 
 ATTENTION = _dispatch.STAGES["qsa_attention"]
+MAX_SPLITS = 64
 
 
 def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
@@ -480,12 +479,10 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
 def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     """SplitKV count for `num_splits=None`: fill one wave of CTAs (one per SM), at least 2 tiles a split.
 
-    The caller then evens the shares (no split without tiles): 2051 tokens (33 tiles) in 16 splits run as 11
-    of 3 tiles. Measured on the H200 with the merge fused into the attention launch (cold graph, us,
-    benchmarks/results/qsa_attention_fused_h200.json; num_splits asked -> splits run): batch 1 (2 row-heads)
-    4->4 67.5, 8->7 59.6, 11 56.6, 17 59.2, 33 64.7 (this rule: 11); batch 8 (16) 2 79.9, 4 64.8, 6 60.0,
-    8->7 64.8, 11 77.9, 17 90.0 (this rule: 7); batch 64 (128) 1/2/3/4 splits 103/153/201/215; batch 256
-    1/2 splits 266/626. One CTA fits an SM (215 KB of shared memory), so a second wave costs a whole CTA's time.
+    Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
+    times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
+    82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
+    One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
     """
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
 
@@ -511,17 +508,12 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     if want_lse and lse is None:
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=dev)
     lse_rows = _rows("lse", lse, lead) if want_lse else _dispatch.placeholder(dev, torch.float32, 2)
-    # The kernel reads a gate in the inputs' dtype or in FP32 as it is (a per-head gate as a zero-stride
-    # feature axis); only a gate of another dtype is converted, to FP32.
-    g, g32 = _dispatch.placeholder(dev, query.dtype, 3), _dispatch.placeholder(dev, torch.float32, 3)
     if gate is not None:
-        rows_gate = _rows("gate", gate, lead)
-        rows_gate = rows_gate if rows_gate.dim() == 3 else rows_gate.unsqueeze(-1).expand(q.shape[0], *query.shape[-2:])
-        if gate.dtype == query.dtype:
-            g = rows_gate
-        else:
-            g32 = rows_gate.float()
-    return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g, g32)
+        g = _rows("gate", gate, lead).float()
+        g = g if g.dim() == 3 else g.unsqueeze(-1).expand(q.shape[0], *query.shape[-2:])
+    else:
+        g = _dispatch.placeholder(dev, torch.float32, 3)
+    return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g)
 
 
 def native(p: Problem):
@@ -540,7 +532,6 @@ def native(p: Problem):
         | (kernels.HAS_BLOCKS if r.block_indices is not None else 0)
         | (kernels.COMPACT_BLOCKS if p.compact else 0)
         | (kernels.HAS_GATE if p.gate is not None else 0)
-        | (kernels.GATE_F32 if p.gate is not None and p.gate.dtype != p.query.dtype else 0)
         | (kernels.WRITE_LSE if want_lse else 0)
     )
     if p.kv_layout == "physical":
@@ -558,9 +549,8 @@ def native(p: Problem):
     num_splits = p.num_splits
     if num_splits is None:
         num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
-    per_split = -(-tiles // max(1, min(num_splits, tiles)))  # tiles a split
-    splits = -(-tiles // per_split)  # no split is left without tiles
-    chunk = per_split * kernels.TILE
+    splits = max(1, min(num_splits, tiles))
+    chunk = -(-tiles // splits) * kernels.TILE
     result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0:
         return result
@@ -577,17 +567,13 @@ def native(p: Problem):
     attend = _dispatch.kernel(ATTENTION.name, spec, r.target)
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
-            opt(p.seq_lens_k, 1), opt(r.query_positions, 1), r.gate, r.gate_f32, r.o, r.lse_rows)
+            opt(p.seq_lens_k, 1), opt(r.query_positions, 1), r.gate)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1:
-        hold = _dispatch.placeholder(dev, torch.float32, 4), _dispatch.placeholder(dev, torch.float32, 3)
-        attend(r.q, k4, v4, *meta, *hold, _dispatch.placeholder(dev, torch.int32, 1), *args)
+        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:
-        # FP32 partials, and a counter per (row, KV head): the split that counts in last merges them in the
-        # same launch. Zeroed for each call (one small fill, replayed by a graph), so that calls on
-        # concurrent streams or graphs share no state.
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
-        arrivals = torch.zeros(rows * hkv, dtype=torch.int32, device=dev)
-        attend(r.q, k4, v4, *meta, part_o, part_lse, arrivals, *args)
+        attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
+        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target)
     return result

@@ -46,18 +46,10 @@ derived in the kernel from the caller's buffers, with `row_mode`:
 causal mask). Optional buffers are flagged in `flags` (bit values below); an
 absent one is a 1-element placeholder that is never read.
 
-The producer warpgroup alone derives the row's metadata (the consumer needs
-none of it), and the first chunk's token ids are loaded before it, since they
-do not depend on it; page ids are loaded before the lengths are known. So a
-decode CTA waits on three dependent round trips (token ids beside the request
-map, page ids beside the lengths, K/V) instead of five or more.
-
 `split=False`: the CTA owns the whole token list and writes the output
 (gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
-owns a contiguous share of the list and writes FP32 partials to a workspace,
-then counts itself in on a per-(row, KV head) counter; the split that arrives
-last merges all partials of its row and KV head into the caller's buffers, in
-split order (bitwise deterministic whichever split is last). `merge` is the stand-alone SplitKV merge (merge_attention_states).
+owns a contiguous share of the list and writes FP32 partials to a workspace;
+`merge` combines them.
 """
 
 import tilelang.language as T
@@ -66,7 +58,7 @@ from tvm import tirx
 from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
-from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, MAX_SPLITS, TILE
+from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
@@ -82,7 +74,6 @@ HAS_BLOCKS = 16
 COMPACT_BLOCKS = 32
 HAS_GATE = 64
 WRITE_LSE = 128
-GATE_F32 = 256  # the gate is read from the FP32 buffer, else from the one in the inputs' dtype
 
 # The program places its own barriers (mbarriers between the roles, named barriers inside
 # each), which TileLang 0.1.15's sync planner cannot prove warp-uniform; its token
@@ -95,83 +86,54 @@ PRODUCER_BARRIER = 3
 NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"  # completion is tracked by the full mbarrier
 
 ROW_PADDED, ROW_CU, ROW_TOKEN_TO_REQ, ROW_PHYSICAL = 0, 1, 2, 3
-MERGE_HEADS, MERGE_SPLITS = 4, 16  # the fused merge's step: 64 partial loads in flight per thread
-
-# The fused SplitKV merge's device pieces, and a warp sum for the row search. Every thread fences its
-# partial stores (mate_gpu_fence) before the CTA barrier that precedes mate_last_split, so the split that
-# counts in last sees all partials after its own fence. The counters are zeroed by the caller for each
-# launch (a CUDA graph replays that zeroing), so calls on concurrent streams share none.
-MERGE_SOURCE = r"""
-__device__ __forceinline__ void mate_gpu_fence() { __threadfence(); }
-__device__ __forceinline__ int mate_last_split(int* counter, int splits) {
-  __threadfence();
-  const int last = atomicAdd(counter, 1) == splits - 1;
-  if (last) __threadfence();
-  return last;
-}
-__device__ __forceinline__ int mate_warp_isum(int v) { return __reduce_add_sync(0xffffffffu, v); }
-__device__ __forceinline__ float mate_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float mate_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-"""
 
 
 @T.macro
-def _producer_counts(counts, before: T.Ref, total: T.Ref, ptx):
-    """counts[0], counts[1] = the sums of `before` and `total` over the producer threads (a warp sum, then
-    one shared atomic per warp)."""
-    before = T.call_extern("int32", "mate_warp_isum", before)
-    total = T.call_extern("int32", "mate_warp_isum", total)
-    if ptx % 32 == 0:
-        T.atomic_add(counts[0], before)
-        T.atomic_add(counts[1], total)
-    T.sync_threads(PRODUCER_BARRIER, 128)
-    fence()
-
-
-@T.macro
-def _row_request(ROWMAP, counts, b: T.Ref, local: T.Ref, nrows: T.Ref, before: T.Ref, total: T.Ref, row, ptx, R, row_mode, n_req, q_len):
-    """The row's request b (-1: none), its index `local` in the request and the request's row count.
-
-    Run by the producer warpgroup alone (the consumer needs none of it), which counts over the whole
-    request map in parallel: one round trip of loads per 128 entries (a binary search over
-    cu_seqlens_q took one per halving). counts[] is zeroed by the caller, before a producer barrier."""
+def _row_request(ROWMAP, counts, b: T.Ref, local: T.Ref, nrows: T.Ref, lo: T.Ref, hi: T.Ref, row, tx, R, row_mode, n_req, q_len, threads):
+    """The row's request b (-1: none), its index `local` in the request and the request's row count."""
     b = 0
     local = row
     nrows = R
-    before = 0
-    total = 0
     if row_mode == ROW_PADDED:
         b = row // q_len
         local = row % q_len
         nrows = q_len
     elif row_mode == ROW_CU:
-        # the last request whose first row is <= row (cu_seqlens_q is nondecreasing): their count - 1
-        for j in T.serial(T.ceildiv(n_req, 128)):
-            r = j * 128 + ptx
-            if r < n_req:
-                if ROWMAP[r] <= row:
-                    before += 1
-        _producer_counts(counts, before, total, ptx)
-        b = T.if_then_else((row >= ROWMAP[0]) & (row < ROWMAP[n_req]), counts[0] - 1, -1)
+        # the last request whose first row is <= row (cu_seqlens_q is nondecreasing)
+        lo = 0
+        hi = n_req
+        for _ in T.serial(31):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                if ROWMAP[mid] <= row:
+                    lo = mid
+                else:
+                    hi = mid
+        b = T.if_then_else((row >= ROWMAP[0]) & (row < ROWMAP[n_req]), lo, -1)
         local = row - ROWMAP[T.max(b, 0)]
         nrows = ROWMAP[T.max(b, 0) + 1] - ROWMAP[T.max(b, 0)]
     elif row_mode == ROW_TOKEN_TO_REQ:
         # a row's index in its request is the number of earlier rows of that request
         b = ROWMAP[row]
-        for j in T.serial(T.ceildiv(R, 128)):
-            r = j * 128 + ptx
+        if tx == 0:
+            counts[0] = 0
+            counts[1] = 0
+        T.sync_threads()
+        fence()
+        before = T.alloc_var("int32")
+        total = T.alloc_var("int32")
+        before = 0
+        total = 0
+        for j in T.serial(T.ceildiv(R, threads)):
+            r = j * threads + tx
             if r < R:
                 if ROWMAP[r] == b:
                     total += 1
                     if r < row:
                         before += 1
-        _producer_counts(counts, before, total, ptx)
+        T.atomic_add(counts[0], before)
+        T.atomic_add(counts[1], total)
+        T.sync_threads()
         local = counts[0]
         nrows = counts[1]
         b = T.if_then_else((b >= 0) & (b < n_req), b, -1)
@@ -233,19 +195,14 @@ def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, b
 
 
 @T.macro
-def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, MP, P, PS):
-    """Each decoded token's (page, slot) in K/V, page -1 for a masked token, published to the producer's shared lists.
-
-    A page id is loaded for every token inside the block table's row, before the row's lengths and causal
-    position are known (their loads are in flight beside it); the mask is applied to the loaded id."""
-    for j in T.unroll(PER_THREAD):
-        t = tok[j]
-        pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
-        if paged:
-            pg[j] = T.if_then_else((t >= 0) & (t < MP * PS), BT[bs, T.max(t, 0) // PS], -1)
+def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS):
+    """Each decoded token's (page, slot) in K/V, page -1 for a masked token, published to the producer's shared lists."""
     for j in T.unroll(PER_THREAD):
         t = tok[j]
         ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
+        pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
+        if paged:
+            pg[j] = T.if_then_else(ok, BT[bs, T.max(t, 0) // PS], -1)
         pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
     for j in T.unroll(PER_THREAD):
         tok_page[j * 128 + ptx] = pg[j]  # -1: masked
@@ -293,102 +250,48 @@ def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, 
     T.barrier_arrive(empty[st])
 
 
-def _gate(G, GF, flags, r, h, d):
-    """sigmoid's argument for output element (r, h, d): the gate in the inputs' dtype or in FP32 (flag
-    GATE_F32), per head as a zero-stride feature axis; indices are clamped to the buffer that is not read."""
-    g16 = T.cast(G[T.min(r, G.shape[0] - 1), T.min(h, G.shape[1] - 1), T.min(d, G.shape[2] - 1)], "float32")
-    g32 = GF[T.min(r, GF.shape[0] - 1), T.min(h, GF.shape[1] - 1), T.min(d, GF.shape[2] - 1)]
-    return T.if_then_else((flags & GATE_F32) != 0, g32, g16)
-
-
-def _gated(o, G, GF, flags, r, h, d):
-    return T.if_then_else((flags & HAS_GATE) != 0, o / (1 + T.exp(-_gate(G, GF, flags, r, h, d))), o)
-
-
 @T.macro
-def _store_partial(PO, PL, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile):
-    """split: this share's FP32 partial output and LSE, made visible to the split that merges (GPU fence)."""
+def _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile):
+    """split: this share's FP32 partial output and LSE, for `merge`."""
     for d, h in T.Parallel(DIM, head_tile):
         if h < group:
-            PO[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+            O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
     for h in T.Parallel(head_tile):
         if h < group:
-            PL[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
-    T.evaluate(T.call_extern("handle", "mate_gpu_fence"))
+            LSE[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 @T.macro
-def _store_output(O, LSE, G, GF, acc, m_cur, l_sum, row, h0, group, scale, flags, head_tile):
+def _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile):
     """No split: the output (gated when asked) in the caller's dtype, and the LSE when asked."""
+    gated = (flags & HAS_GATE) != 0
     for d, h in T.Parallel(DIM, head_tile):
         if h < group:
             o = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-            O[row, h0 + h, d] = _gated(o, G, GF, flags, row, h0 + h, d)
+            gv = T.if_then_else(gated, G[T.min(row, RG - 1), T.min(h0 + h, HG - 1), T.min(d, DG - 1)], 0)
+            O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
     if (flags & WRITE_LSE) != 0:
         for h in T.Parallel(head_tile):
             if h < group:
                 LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
-@T.macro
-def _merge_splits(PO, PL, G, GF, O, LSE, wts, lsum, mv, ps, accm, row, h0, group, tx, flags, SPL, head_tile, odtype):
-    """The last split of (row, KV head) to finish merges them all, always in split order (bitwise deterministic
-    whichever split arrives last). Warp w weighs heads w and w + 8 (lane l holds splits l and l + 32):
-    e_s = exp(l_s - max), their sum and the LSE; then thread tx sums feature tx of MERGE_HEADS heads at a
-    time over MERGE_SPLITS splits a step, all those loads in flight together."""
-    warp = tx // 32
-    lane = tx % 32
-    for k in T.unroll(head_tile // 8):
-        h = warp + 8 * k
-        if h < group:
-            mv[0] = T.if_then_else(lane < SPL, PL[T.min(lane, SPL - 1), row, h0 + h], NEG_INF)
-            mv[1] = T.if_then_else(lane + 32 < SPL, PL[T.min(lane + 32, SPL - 1), row, h0 + h], NEG_INF)
-            mv[2] = T.call_extern("float32", "mate_warp_max", T.max(mv[0], mv[1]))
-            # a split without keys (-inf) weighs 0; so does every split of a row that sees nothing
-            mv[0] = T.if_then_else(mv[0] > NEG_INF, T.exp(mv[0] - mv[2]), 0)
-            mv[1] = T.if_then_else(mv[1] > NEG_INF, T.exp(mv[1] - mv[2]), 0)
-            mv[3] = T.call_extern("float32", "mate_warp_sum", mv[0] + mv[1])
-            if lane < SPL:
-                wts[h, lane] = mv[0]
-            if lane + 32 < SPL:
-                wts[h, lane + 32] = mv[1]
-            if lane == 0:
-                lsum[h] = mv[3]
-                if (flags & WRITE_LSE) != 0:
-                    LSE[row, h0 + h] = T.if_then_else(mv[3] > 0, mv[2] + T.log(mv[3]), NEG_INF)
-    T.sync_threads()
-    for hq in T.serial(T.ceildiv(group, MERGE_HEADS)):
-        for i in T.unroll(MERGE_HEADS):
-            accm[i] = 0
-        for s0 in T.serial(T.ceildiv(SPL, MERGE_SPLITS)):
-            for i in T.unroll(MERGE_HEADS):
-                for j in T.unroll(MERGE_SPLITS):
-                    # clamped, so every load is in bounds and none waits on a test
-                    ps[i * MERGE_SPLITS + j] = PO[T.min(s0 * MERGE_SPLITS + j, SPL - 1), row, h0 + T.min(hq * MERGE_HEADS + i, group - 1), tx]
-            for i in T.unroll(MERGE_HEADS):
-                for j in T.unroll(MERGE_SPLITS):
-                    s = s0 * MERGE_SPLITS + j
-                    w = wts[T.min(hq * MERGE_HEADS + i, group - 1), T.min(s, SPL - 1)]
-                    accm[i] += T.if_then_else((s < SPL) & (w > 0), w * ps[i * MERGE_SPLITS + j], 0)
-        for i in T.unroll(MERGE_HEADS):
-            h = hq * MERGE_HEADS + i
-            if h < group:
-                o = T.if_then_else(lsum[h] > 0, accm[i] / lsum[h], 0)
-                O[row, h0 + h, tx] = T.cast(_gated(o, G, GF, flags, row, h0 + h, tx), odtype)
-
-
 def sparse_attention(dtype, split, wide, head_tile, num_stages):
     # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
     threads = 256  # producer warpgroup + consumer warpgroup
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
-    NSLQ, NSLK, NQP, RG, HG, DG, RF, HF, DF = T.dynamic("NSLQ NSLK NQP RG HG DG RF HF DF")
-    RO, HO, RL, HL, SPL, RP, HP, DP, NC = T.dynamic("RO HO RL HL SPL RP HP DP NC")
+    NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
     (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
         "sqr sqh sqd skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
     )
-    sgr, sgh, sgd, sfr, sfh, sfd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sfr sfh sfd sor soh sod slr slh", "int64")
-    # split: the merge's weights (e_s per head and split) and their sums; a stand-in otherwise
-    wts_shape, lsum_len = ((head_tile, MAX_SPLITS), head_tile) if split else ((1, 1), 1)
+    sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
+    odtype = "float32" if split else dtype
+    if split:
+        o_shape, o_strides = (SPL, RO, HO, DIM), None
+        l_shape, l_strides = (SPL, RL, HL), None
+    else:
+        o_shape, o_strides = (RO, HO, DIM), (sor, soh, sod)
+        l_shape, l_strides = (RL, HL), (slr, slh)
 
     @T.prim_func
     def main(
@@ -402,13 +305,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         SLQ: T.StridedTensor((NSLQ,), (slq,), "int32"),
         SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
         QP: T.StridedTensor((NQP,), (sqp,), "int32"),
-        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), dtype),
-        GF: T.StridedTensor((RF, HF, DF), (sfr, sfh, sfd), "float32"),
-        O: T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype),
-        LSE: T.StridedTensor((RL, HL), (slr, slh), "float32"),
-        PO: T.Tensor((SPL, RP, HP, DP), "float32"),
-        PL: T.Tensor((SPL, RP, HP), "float32"),
-        CNT: T.Tensor((NC,), "int32"),
+        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        O: T.StridedTensor(o_shape, o_strides, odtype) if not split else T.Tensor(o_shape, odtype),
+        LSE: T.StridedTensor(l_shape, l_strides, "float32") if not split else T.Tensor(l_shape, "float32"),
         scale: T.float32,
         row_mode: T.int32,
         flags: T.int32,
@@ -417,7 +316,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         chunk: T.int32,
     ):
         with T.Kernel(R, HKV, SPL if split else 1, threads=threads) as (row, kvh, sp):
-            T.import_source(FENCE_SOURCE + MERGE_SOURCE)
+            T.import_source(FENCE_SOURCE)
             Qs = T.alloc_shared((head_tile, DIM), dtype)
             Ks = T.alloc_shared((num_stages, TILE, DIM), dtype)
             Vs = T.alloc_shared((num_stages, TILE, DIM), dtype)
@@ -428,20 +327,12 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             tok = T.alloc_local((PER_THREAD,), "int32")
             pg = T.alloc_local((PER_THREAD,), "int32")
             counts = T.alloc_shared((2,), "int32", scope="shared")
-            wts = T.alloc_shared(wts_shape, "float32", scope="shared")
-            lsum = T.alloc_shared((lsum_len,), "float32", scope="shared")
-            last_split = T.alloc_shared((1,), "int32", scope="shared")
-            mv = T.alloc_local((4,), "float32")
-            ps = T.alloc_local((MERGE_HEADS * MERGE_SPLITS,), "float32")
-            accm = T.alloc_local((MERGE_HEADS,), "float32")
             full = T.alloc_barrier([2 * 128] * num_stages)
             empty = T.alloc_barrier([128] * num_stages)
             S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
             local = T.alloc_var("int32")
             nrows = T.alloc_var("int32")
-            before = T.alloc_var("int32")
-            total = T.alloc_var("int32")
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
             tx = T.get_thread_binding()
@@ -455,6 +346,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
 
             group = HQ // HKV
             h0 = kvh * group
+            _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
+            bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
             block_slots = T.alloc_var("int32")
             blocks, first, last, n_tiles = _list_share(BI, n_slots, block_slots, lo, hi, row, sp, flags, chunk, W, NB)
@@ -462,23 +355,13 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             if tx < 128:
                 # ---------------- producer
                 ptx = tx
-                if ptx == 0:
-                    counts[0] = 0
-                    counts[1] = 0
-                # The first chunk's token ids do not depend on the row's metadata: their loads go out first.
-                _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB)
-                T.sync_threads(PRODUCER_BARRIER, 128)
-                fence()
-                _row_request(ROWMAP, counts, b, local, nrows, before, total, row, ptx, R, row_mode, n_req, q_len)
-                bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
                 for it in T.serial(n_tiles):
                     if it % DECODE_TILES == 0:
-                        if it > 0:
-                            # every producer thread is done reading the previous chunk's addresses
-                            T.sync_threads(PRODUCER_BARRIER, 128)
-                            fence()
-                            _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
-                        _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, MP, P, PS)
+                        # every producer thread is done reading the previous chunk's addresses
+                        T.sync_threads(PRODUCER_BARRIER, 128)
+                        fence()
+                        _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
+                        _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
                         T.sync_threads(PRODUCER_BARRIER, 128)
                         fence()
                     _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
@@ -497,17 +380,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                     _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    _store_partial(PO, PL, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile)
+                    _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile)
                 else:
-                    _store_output(O, LSE, G, GF, acc, m_cur, l_sum, row, h0, group, scale, flags, head_tile)
-            if split:
-                # Both warpgroups: count this split in; the last one to finish merges (MERGE_SOURCE).
-                T.sync_threads()
-                if tx == 0:
-                    last_split[0] = T.call_extern("int32", "mate_last_split", T.address_of(CNT[row * HKV + kvh]), SPL)
-                T.sync_threads()
-                if last_split[0] != 0:
-                    _merge_splits(PO, PL, G, GF, O, LSE, wts, lsum, mv, ps, accm, row, h0, group, tx, flags, SPL, head_tile, dtype)
+                    _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile)
 
     return main
 

@@ -11,8 +11,6 @@ TILE = 64  # tokens per tile: wgmma's M per warpgroup
 DIM = 256
 MAX_GROUP = 16  # query heads per KV head: head_tile pads the group to the wgmma N
 DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
-MAX_SPLITS = 64  # SplitKV shares of a row: the fused merge holds a weight per (head, split) in shared memory
-MAX_SPLITS = 64  # SplitKV shares of a row: the fused merge holds a weight per (head, split) in shared memory
 CONSUMER_THREADS = WARPGROUP  # one consumer warpgroup, beside the producer one
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D: the geometry of warp_specialized, the tuner and the benchmarks
 
@@ -21,12 +19,10 @@ def attention_smem(spec: dict, t: dict) -> int:
     """Shared memory of one CTA in bytes, as the program lays it out (the generated CUDA agrees, 16-byte
     alignment of the static buffers aside): Q and P tiles, the K/V ring, the max and sum reductions'
     scratch (never merged: PASS_CONFIGS); static: the ring's token-valid flags, the decoded token
-    lists (page and slot), two counts, a full and an empty mbarrier per stage; with split, the fused
-    merge's weights and sums per (head, split) and the last-split flag."""
+    lists (page and slot), two counts, a full and an empty mbarrier per stage."""
     ht, ns = t["head_tile"], t["num_stages"]
     smem = itemsize(spec["dtype"]) * (ht * DIM + 2 * ns * TILE * DIM + TILE * ht) + 2 * reduction_scratch(CONSUMER_THREADS, ht)
-    merge = 4 * (ht * MAX_SPLITS + ht + 1) if spec.get("split") else 0
-    return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 2 * ns * 8 + merge
+    return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 2 * ns * 8
 
 
 def _attention_limits(spec, t):
