@@ -30,7 +30,10 @@ def grads(q, k, v, idx, do, **kw):
 
 
 def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    # The floor (an element RMS of 1e-3, where gradients here are of order 1 to 10) keeps a gradient that is 0 up to
+    # rounding from dividing noise by noise: at M = N = 1 on the H200, dq and dk had norms 2e-5 (native) and 1e-5
+    # (reference) beside a dv of 60 that agreed to 3e-3.
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-3 * a.numel() ** 0.5)).item()
 
 
 def assert_grads_close(got, want, tol=1e-2):
