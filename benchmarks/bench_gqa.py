@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import traceback
 
@@ -40,8 +39,7 @@ import torch
 from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
-from mate import _dispatch
-from mate.swa import attention as swa
+from mate.testing import gqa_config_key, shipped_tiles, using_tiles
 
 B, H, HKV = 1, 64, 8
 WINDOWS = [(512, 0), (1024, 0), (4096, 0), (8192, 0), (-1, 0)]
@@ -214,7 +212,6 @@ def main(argv=None):
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    target = _dispatch.target_of(torch.empty(0, device=dev), "probe")
     meta = {
         **environment(),
         "shape": {"B": B, "H": H, "H_kv": HKV, "dtype": "bfloat16", "layout": "BSHD"},
@@ -254,9 +251,9 @@ def main(argv=None):
                     pairs = visible_pairs(s, s, left, right)
                     flops = 4.0 * B * H * dim * pairs
                     row.update(pairs=pairs, flops=flops)
-                    spec = swa._spec(q.dtype, dim, left, right)
-                    tiles = _dispatch.tiles(swa.STAGE.name, spec, target)
-                    meta["config"][_dispatch.spec_key(spec)] = tiles
+                    key = gqa_config_key(q.dtype, dim, (left, right))
+                    tiles = shipped_tiles("sm90", "gqa_fwd", key)
+                    meta["config"][key] = tiles
 
                     def run_mate():
                         return mate.gqa_attention(q, k, v, sliding_window=(left, right), out=out)
@@ -267,14 +264,9 @@ def main(argv=None):
 
                     if args.depths:
                         other = dict(tiles, mma_depth=3 - tiles["mma_depth"])
-                        kern = _dispatch.compile_program(swa.STAGE.name, spec, target, other)
-                        lse = torch.empty(B, H, s, device=dev)
                         out2 = torch.empty_like(q)
-
-                        def run_other():
-                            kern(q, k, v, out2, lse, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
-
-                        ms2 = timed_ms(run_other)
+                        with using_tiles("sm90", "gqa_fwd", key, other):
+                            ms2 = timed_ms(lambda: mate.gqa_attention(q, k, v, sliding_window=(left, right), out=out2))
                         row["other_depth"] = {"mma_depth": other["mma_depth"], "ms": ms2, "tflops": flops / ms2 / 1e9,
                                               "err_vs_mate": rel_err(out2, mate_out)}
 
@@ -283,14 +275,9 @@ def main(argv=None):
                         if int(d) != dim:
                             continue
                         over = {a: int(b) for a, b in (x.split("=") for x in kv.split(","))}
-                        kern = _dispatch.compile_program(swa.STAGE.name, spec, target, dict(tiles, **over))
-                        lse3 = torch.empty(B, H, s, device=dev)
                         out3 = torch.empty_like(q)
-
-                        def run_extra():
-                            kern(q, k, v, out3, lse3, swa.LOG2E / math.sqrt(dim), swa._runtime(left), swa._runtime(right))
-
-                        ms3 = timed_ms(run_extra)
+                        with using_tiles("sm90", "gqa_fwd", key, dict(tiles, **over)):
+                            ms3 = timed_ms(lambda: mate.gqa_attention(q, k, v, sliding_window=(left, right), out=out3))
                         row.setdefault("extra", []).append({"tiles": dict(tiles, **over), "ms": ms3, "tflops": flops / ms3 / 1e9,
                                                             "err_vs_mate": rel_err(out3, mate_out)})
 

@@ -52,11 +52,10 @@ import torch.nn.functional as F
 from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
-from mate.testing import draw_block_indices
-from mate import _dispatch
-from tuning.configfile import using_tiles
+from mate.testing import draw_block_indices, shipped_tiles, using_tiles
 
 D, T_SEL, BS = 128, 16, 64
+KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS
 DTYPE = torch.bfloat16
 REPORT = dict(stage="nsa_selection", quick=["--lengths", "8192", "16384", "32768", "--heads", "128:8"], full=[])
 
@@ -128,11 +127,10 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
 
 def tile_variants(L, H, G, variants):
     """Time other tile configs of the seed specialization through a patched copy of configs/sm90.yaml."""
-    spec = {"dtype": "bfloat16", "dim": D, "block_size": BS}
     rows = []
     for tiles in variants:
         try:
-            with using_tiles("sm90", "nsa_selection", _dispatch.spec_key(spec), tiles):
+            with using_tiles("sm90", "nsa_selection", KEY, tiles):
                 r = run_shape(L, H, G, dense=False)
             rows.append(dict(tiles=tiles, ms=r["ms"], rel_err=r["rel_err"], gathered_GBps=r["gathered_GBps"]))
         except Exception as e:  # a failing candidate is reported, never chosen
@@ -297,12 +295,11 @@ def train_probe(L, H, G, T=T_SEL):
     row = dict(L=L, H=H, G=G, T=T, prep_ms=median_ms(lambda: selection._backward_args(p, o, lse, do, *bufs)),
                dq_ms=median_ms(lambda: selection.launch_dq(p, a)), dkv_ms=median_ms(lambda: selection.launch_dkv(p, a)), variants=[])
     print("probe", json.dumps(row), flush=True)
-    key = _dispatch.spec_key({"dtype": "bfloat16", "dim": D, "block_size": BS})
     for stage, tiles in BWD_VARIANTS:
         dq_stage = stage.endswith("dq")
         launch, outs = (selection.launch_dq, (0,)) if dq_stage else (selection.launch_dkv, (1, 2))
         try:
-            with using_tiles("sm90", stage, key, tiles):
+            with using_tiles("sm90", stage, KEY, tiles):
                 for i in outs:
                     bufs[i].fill_(float("nan") if dq_stage else 0.0)  # dk/dv rows no block covers stay the caller's zeros
                 launch(p, a)
@@ -321,7 +318,7 @@ def train_probe(L, H, G, T=T_SEL):
 def train_main(a):
     res = dict(environment(), setup=dict(B=1, D=D, T=a.T, block_size=BS, dtype="bfloat16",
                                          indices="T distinct random visible blocks, sorted, -1 pads",
-                                         tiles={s: _dispatch.tiles(s, {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")
+                                         tiles={s: shipped_tiles("sm90", s, KEY)
                                                 for s in ("nsa_selection", "nsa_selection_bwd_dq", "nsa_selection_bwd_dkv")}),
                rows=[])
     try:
@@ -370,7 +367,7 @@ def main(argv=None):
         environment(),
         cudnn=torch.backends.cudnn.version(),
         setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices="T distinct random visible blocks, sorted, -1 pads",
-                   tiles=_dispatch.tiles("nsa_selection", {"dtype": "bfloat16", "dim": D, "block_size": BS}, "sm90")),
+                   tiles=shipped_tiles("sm90", "nsa_selection", KEY)),
         copy_TBps=copy_tbps(),
         rows=[],
     )

@@ -6,14 +6,17 @@ same on every device) unless the generator draws on the GPU for speed
 (-1 pads, ids past the capacity, duplicates, empty rows) are part of the draws.
 The timing (`median_ms`, `graph_ms`, `capture_graph`) and run metadata (`environment`) are
 one measurement for the tuner and the benchmarks, so a tuned time and a benchmarked time
-agree; `using_tiles` runs the dispatcher with candidate tiles. Importing this module
-loads no TileLang.
+agree; `using_tiles` runs the dispatcher with candidate tiles, `program_variants` with
+another version of a stage's program source (the A/B benchmarks), `shipped_tiles` reads
+an entry of the config. Importing this module loads no TileLang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import importlib.util
 import math
 import os
 import subprocess
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import mate
 from mate import _dispatch
 
 I32 = torch.int32
@@ -84,6 +88,24 @@ def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
             sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], T - n_blocks), -1)], -1)
         idx[:, m0:m1] = sel.to(torch.int32)
     return idx
+
+
+def nsa_selection_workload(spec, shape):
+    """The tuner's NSA selection workload (also nsa_ab's): spec (dtype, dim, block_size), shape (seq, heads,
+    kv_heads, selected) -> (native call, reference call, pick), B 1, random visible blocks (CUDA)."""
+    L, H, G, T, d, bs = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"], spec["block_size"]
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(1, L, H, d, device="cuda").to(dt)
+    k = torch.randn(1, L, G, d, device="cuda").to(dt)
+    v = torch.randn(1, L, G, d, device="cuda").to(dt)
+    idx = draw_block_indices(1, L, L, G, T, bs)
+    # The reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed
+    # shape: it checks the last rows, which keep their positions (bottom-right aligned) and select
+    # the most blocks.
+    tail = min(L, 128)
+    return (lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=bs),
+            lambda: mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=bs, backend="reference"),
+            lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
 
 
 # ---------------------------------------------------------------- QSA sparse attention: logical problems in every layout
@@ -356,3 +378,65 @@ def using_tiles(target: str, stage: str, key: str, tiles: dict, base: dict | Non
             else:
                 os.environ["MATE_CONFIG_DIR"] = saved
             _dispatch.clear_caches()
+
+
+def gqa_config_key(dtype: torch.dtype, dim: int, sliding_window) -> str:
+    """The gqa_fwd config key a padded gqa_attention call of this dtype, head dim and window runs under."""
+    from mate.swa import attention
+
+    return _dispatch.spec_key(attention._spec(dtype, dim, *attention.parse_window(sliding_window)))
+
+
+def shipped_tiles(target: str, stage: str, key: str) -> dict:
+    """The tile parameters of config entry `key` (`dtype=bfloat16,dim=128,...`) of `stage`, as the dispatcher reads them."""
+    return _dispatch.tiles(stage, _dispatch.parse_key(key), target)
+
+
+def _variant_card(card, name: str, source: Path):
+    """`card` with its program taken from the file `source` (registered as module `name`: the card names its
+    program by module); the card's pass options where that file defines them, else none."""
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    passes = card.pass_configs if card.pass_configs and hasattr(module, card.pass_configs) else None
+    return dataclasses.replace(card, module=name, pass_configs=passes)
+
+
+@contextlib.contextmanager
+def program_variants(stage: str, sources: dict):
+    """Run `stage` with one of several versions of its program source, switched by name; yields `use(name)`.
+
+    `sources` maps a name to a file (another version of the stage's kernel module, defining the
+    card's program with the same signature) or to None (the shipped module). After `use(name)`,
+    the public API runs that version: the dispatcher builds the program from its file with the
+    config's tiles and the card's pass options, compiles it at its first call and keeps each
+    version's compiled kernels apart, so switching back costs nothing (interleaved timing).
+    Only the kernels the dispatcher caches switch (`_dispatch.kernel`: each entrypoint's default
+    path; GQA's option variants, varlen, sinks and softcap, keep their own cache); the API still
+    reads flags and constants from the shipped module. Change tiles around this, not inside.
+    On exit the shipped card and the kernels compiled before are back.
+    """
+    shipped = _dispatch.STAGES[stage]
+    cards = {name: shipped if src is None else _variant_card(shipped, f"mate_variant_{stage}_{name}", Path(src))
+             for name, src in sources.items()}
+    held = {name: {} for name in cards}
+
+    def take() -> dict:
+        return {k: _dispatch._kernels.pop(k) for k in [k for k in _dispatch._kernels if k[0] == stage]}
+
+    before = take()
+    active = []
+
+    def use(name: str) -> None:
+        if active:
+            held[active.pop()] = take()
+        _dispatch.STAGES[stage] = cards[name]
+        _dispatch._kernels.update(held[name])
+        active.append(name)
+
+    try:
+        yield use
+    finally:
+        take()
+        _dispatch.STAGES[stage] = shipped
+        _dispatch._kernels.update(before)

@@ -182,3 +182,46 @@ assert 'tilelang' in loaded(), loaded()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_program_variants_switch_the_program_and_keep_each_versions_kernels(tmp_path):
+    """mate.testing.program_variants (the A/B benchmarks): the card builds from the chosen file, each version's
+    compiled kernels come back when it is chosen again, and on exit the shipped card and kernels are back."""
+    from mate.testing import program_variants
+
+    src = tmp_path / "other_gqa.py"
+    src.write_text("def gqa_fwd(**kw):\n    return ('other', kw)\n")
+    shipped = _dispatch.STAGES["gqa_fwd"]
+    key = ("gqa_fwd", (("dtype", "bfloat16"),), "sm90")
+    elsewhere = ("nsa_selection", (), "sm90")
+    _dispatch._kernels.update({key: "shipped kernel", elsewhere: "nsa kernel"})
+    try:
+        with program_variants("gqa_fwd", {"current": None, "other": src}) as use:
+            assert key not in _dispatch._kernels and _dispatch._kernels[elsewhere] == "nsa kernel"
+            use("other")
+            assert _dispatch.STAGES["gqa_fwd"].build(a=1) == ("other", {"a": 1})
+            assert _dispatch.STAGES["gqa_fwd"].pass_configs is None  # the shipped card names none
+            _dispatch._kernels[key] = "other kernel"
+            use("current")
+            assert _dispatch.STAGES["gqa_fwd"] is shipped and key not in _dispatch._kernels
+            _dispatch._kernels[key] = "current kernel"
+            use("other")
+            assert _dispatch._kernels[key] == "other kernel"
+            use("current")
+            assert _dispatch._kernels[key] == "current kernel"
+        assert _dispatch.STAGES["gqa_fwd"] is shipped
+        assert _dispatch._kernels[key] == "shipped kernel" and _dispatch._kernels[elsewhere] == "nsa kernel"
+    finally:
+        _dispatch.STAGES["gqa_fwd"] = shipped
+        _dispatch._kernels.pop(key, None)
+        _dispatch._kernels.pop(elsewhere, None)
+
+
+def test_config_lookups_of_mate_testing():
+    from mate.testing import gqa_config_key, shipped_tiles
+
+    assert gqa_config_key(torch.float16, 64, None) == "dtype=float16,dim=64,window=none"
+    assert gqa_config_key(torch.bfloat16, 128, (-1, 0)) == "dtype=bfloat16,dim=128,window=causal"
+    assert gqa_config_key(torch.bfloat16, 128, (512, 0)) == "dtype=bfloat16,dim=128,window=local"
+    key = "dtype=bfloat16,dim=128,window=causal"
+    assert shipped_tiles("sm90", "gqa_fwd", key) == {p: _dispatch.load_config("sm90")["gqa_fwd"][key][p] for p in _dispatch.STAGES["gqa_fwd"].params}

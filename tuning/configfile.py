@@ -20,7 +20,6 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
 from mate import _dispatch
-from mate.testing import using_tiles  # noqa: F401  (bench_nsa and nsa_ab still import it from here)
 
 
 def _yaml() -> YAML:

@@ -26,7 +26,7 @@ from mate._dispatch import Stage
 from mate.nsa.kernels import selection_card
 from mate.qsa.kernels import mqa_card, sparse_card
 from mate.swa.kernels import gqa_card
-from mate.testing import draw_block_indices
+from mate.testing import nsa_selection_workload
 
 
 @dataclass(frozen=True)
@@ -120,27 +120,11 @@ MQA_DECODE = Tunable.of(
 # ---------------------------------------------------------------- NSA selection attention
 
 
-def _nsa_workload(spec, shape):
-    L, H, G, T, d, bs = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"], spec["block_size"]
-    dt = _dtype(spec)
-    q = torch.randn(1, L, H, d, device="cuda").to(dt)
-    k = torch.randn(1, L, G, d, device="cuda").to(dt)
-    v = torch.randn(1, L, G, d, device="cuda").to(dt)
-    idx = draw_block_indices(1, L, L, G, T, bs)
-    # The reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed
-    # shape: it checks the last rows, which keep their positions (bottom-right aligned) and select
-    # the most blocks.
-    tail = min(L, 128)
-    return (lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=bs),
-            lambda: mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=bs, backend="reference"),
-            lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
-
-
 NSA_SELECTION = Tunable.of(
     selection_card.STAGE,
     shapes=dict(quick=[dict(seq=8192, heads=128, kv_heads=8, selected=16)],
                 full=[dict(seq=32768, heads=128, kv_heads=8, selected=16), dict(seq=32768, heads=64, kv_heads=4, selected=16)]),
-    workload=_nsa_workload,
+    workload=nsa_selection_workload,
     tol=1e-2,
 )
 
