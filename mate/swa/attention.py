@@ -401,6 +401,61 @@ def _rows_view(name: str, x, batch: int, seq_len: int, heads: int, dim: int, str
     return x.as_strided((batch, seq_len, heads, dim), (seq_len * stride1, stride1, dim, 1), x.storage_offset())
 
 
+class Geometry(NamedTuple):
+    """build_gqa_attn's arguments, resolved and checked once: the launcher's fixed geometry and window
+    ((left, right), -1 unbounded) and the default scale 1/sqrt(D)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    dim: int
+    left: int
+    right: int
+    scale: float
+
+
+class Launch(NamedTuple):
+    """One launch of build_gqa_attn's launcher, resolved and checked: the 4-D views of Q, K, V and O, the target."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    target: str
+
+
+def _resolve_geometry(ATTN_B, ATTN_H, ATTN_H_KV, ATTN_D, sliding_window) -> Geometry:
+    B = _int("ATTN_B", ATTN_B, minimum=1)
+    H = _int("ATTN_H", ATTN_H, minimum=1)
+    Hkv = _int("ATTN_H_KV", ATTN_H_KV, minimum=1)
+    D = _int("ATTN_D", ATTN_D, minimum=1)
+    if H % Hkv:
+        raise ValueError(f"ATTN_H = {H} must be a multiple of ATTN_H_KV = {Hkv}")
+    _native_dim("ATTN_D", D)
+    left, right = parse_window(sliding_window)
+    return Geometry(B, H, Hkv, D, left, right, 1.0 / math.sqrt(D))
+
+
+def _resolve_launch(g: Geometry, Q, K, V, O, Q_stride1, K_stride1, V_stride1, O_stride1, seq_len_q, seq_len_kv) -> Launch:
+    """Every check of one launch, in one order: lengths, strides, the four views, dtypes, devices, overlap, layout, target."""
+    sq = _int("seq_len_q", seq_len_q, minimum=0)
+    sk = _int("seq_len_kv", seq_len_kv, minimum=0)
+    strides = {}
+    for name, s in (("Q_stride1", Q_stride1), ("K_stride1", K_stride1), ("V_stride1", V_stride1), ("O_stride1", O_stride1)):
+        strides[name] = _int(name, s, minimum=1)
+    q = _rows_view("Q", Q, g.batch, sq, g.heads, g.dim, strides["Q_stride1"])
+    k = _rows_view("K", K, g.batch, sk, g.kv_heads, g.dim, strides["K_stride1"])
+    v = _rows_view("V", V, g.batch, sk, g.kv_heads, g.dim, strides["V_stride1"])
+    o = _rows_view("O", O, g.batch, sq, g.heads, g.dim, strides["O_stride1"])
+    C.same_dtype(Q=q, K=k, V=v, O=o)
+    C.same_device(Q=q, K=k, V=v, O=o)
+    C.native_dtype("Q", q)
+    C.no_overlap({"O": o}, {"Q": q, "K": k, "V": v})
+    for name, x in (("Q", q), ("K", k), ("V", v), ("O", o)):
+        C.vector_layout(name, x)
+    return Launch(q, k, v, o, _dispatch.target_of(q, "Q"))
+
+
 def build_gqa_attn(ATTN_B: int, ATTN_H: int, ATTN_H_KV: int, ATTN_D: int, sliding_window=None):
     """The seed's launcher: specialized once per geometry and window, native only.
 
@@ -414,34 +469,11 @@ def build_gqa_attn(ATTN_B: int, ATTN_H: int, ATTN_H_KV: int, ATTN_D: int, slidin
     [ATTN_B * seq_len, heads, ATTN_D] with that row stride, sequences packed
     batch-major. The kernel is compiled at the first launch of each dtype.
     """
-    B = _int("ATTN_B", ATTN_B, minimum=1)
-    H = _int("ATTN_H", ATTN_H, minimum=1)
-    Hkv = _int("ATTN_H_KV", ATTN_H_KV, minimum=1)
-    D = _int("ATTN_D", ATTN_D, minimum=1)
-    if H % Hkv:
-        raise ValueError(f"ATTN_H = {H} must be a multiple of ATTN_H_KV = {Hkv}")
-    _native_dim("ATTN_D", D)
-    left, right = parse_window(sliding_window)
-    scale = 1.0 / math.sqrt(D)
+    g = _resolve_geometry(ATTN_B, ATTN_H, ATTN_H_KV, ATTN_D, sliding_window)
 
     def launch(Q, K, V, O, Q_stride1, K_stride1, V_stride1, O_stride1, seq_len_q, seq_len_kv):
-        sq = _int("seq_len_q", seq_len_q, minimum=0)
-        sk = _int("seq_len_kv", seq_len_kv, minimum=0)
-        strides = {}
-        for name, s in (("Q_stride1", Q_stride1), ("K_stride1", K_stride1), ("V_stride1", V_stride1), ("O_stride1", O_stride1)):
-            strides[name] = _int(name, s, minimum=1)
-        q = _rows_view("Q", Q, B, sq, H, D, strides["Q_stride1"])
-        k = _rows_view("K", K, B, sk, Hkv, D, strides["K_stride1"])
-        v = _rows_view("V", V, B, sk, Hkv, D, strides["V_stride1"])
-        o = _rows_view("O", O, B, sq, H, D, strides["O_stride1"])
-        C.same_dtype(Q=q, K=k, V=v, O=o)
-        C.same_device(Q=q, K=k, V=v, O=o)
-        C.native_dtype("Q", q)
-        C.no_overlap({"O": o}, {"Q": q, "K": k, "V": v})
-        for name, x in (("Q", q), ("K", k), ("V", v), ("O", o)):
-            C.vector_layout(name, x)
-        target = _dispatch.target_of(q, "Q")
-        _run_native(q, k, v, o, left, right, scale, target)
+        p = _resolve_launch(g, Q, K, V, O, Q_stride1, K_stride1, V_stride1, O_stride1, seq_len_q, seq_len_kv)
+        _run_native(p.q, p.k, p.v, p.o, g.left, g.right, g.scale, p.target)
         return O
 
     return launch
