@@ -9,6 +9,10 @@ REGS_PER_SM = 65536
 MAX_REGS = 255
 WARPGROUP = 128  # wgmma is issued by warpgroups of 128 threads, each owning 64 rows of M
 WGMMA_M = 64
+# Query heads per KV group in the kernels that hold a group as wgmma's N (QSA sparse attention, NSA selection
+# forward and backward: a group is too few rows for M = 64, so keys are M): the group is zero-padded to
+# head_tile = 16 columns (N comes in multiples of 8), the one head_tile their search spaces hold.
+MAX_GROUP = 16
 
 
 def itemsize(dtype: str) -> int:

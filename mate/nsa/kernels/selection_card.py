@@ -5,13 +5,12 @@ buffers and this resource model are computed from the same numbers.
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize, reduction_scratch
+from mate._hopper import MAX_GROUP, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize, reduction_scratch
 
 TILE_KEYS = 64  # wgmma's M per warpgroup
 MAX_SLOTS = 128  # capacity of the compacted list (T <= 128); small enough for 3 CTAs per SM
 NATIVE_DIMS = (64, 128)
 NATIVE_BLOCK_SIZES = (32, 64)
-MAX_GROUP = 16  # query heads per KV group: head_tile pads the group to the wgmma N
 SPARE_REGS = 24  # registers per thread kept beside the tiles (addresses, indices, loop state)
 
 
@@ -39,7 +38,7 @@ def _limits(spec, t):
 
 STAGE = Stage(
     "nsa_selection", "mate.nsa.kernels.selection", "nsa_selection_fwd",
-    space=dict(head_tile=(16,), threads=(128,), num_stages=(1, 2, 3, 4), min_blocks=(1, 2, 3, 4)),
+    space=dict(head_tile=(MAX_GROUP,), threads=(128,), num_stages=(1, 2, 3, 4), min_blocks=(1, 2, 3, 4)),
     keys=("dtype", "dim", "block_size"),
     limits=_limits,
     pass_configs="PASS_CONFIGS",

@@ -5,11 +5,10 @@ buffers and the resource model are computed from the same numbers.
 """
 
 from mate._stage import Stage
-from mate._hopper import SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
+from mate._hopper import MAX_GROUP, SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
 
 TILE = 64  # tokens per tile: wgmma's M per warpgroup
 DIM = 256
-MAX_GROUP = 16  # query heads per KV head: head_tile pads the group to the wgmma N
 DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
 CONSUMER_THREADS = WARPGROUP  # one consumer warpgroup, beside the producer one
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D: the geometry of warp_specialized, the tuner and the benchmarks
@@ -35,7 +34,7 @@ def _attention_limits(spec, t):
 
 ATTENTION = Stage(
     "qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention",
-    space=dict(head_tile=(16,), num_stages=(1, 2, 3)),
+    space=dict(head_tile=(MAX_GROUP,), num_stages=(1, 2, 3)),
     # wide: the grid has at least two CTAs per SM (a shallow ring lets two share one)
     keys=("dtype", "split", "wide"),
     limits=_attention_limits,
