@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
-from mate.testing import draw_block_indices, shipped_tiles, using_tiles
+from mate.testing import draw_block_indices, nsa_backward_parts, shipped_tiles, using_tiles
 
 D, T_SEL, BS = 128, 16, 64
 KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS
@@ -278,39 +278,33 @@ def train_probe(L, H, G, T=T_SEL):
     """Where the backward's time goes at one shape: the preparation (per-row metadata, the sort of the used
     slots), the dq kernel, the dk/dv kernel; then other tiles of the two kernels, each checked against the
     shipped tiles' gradients."""
-    from mate.nsa import selection
-
     q, k, v = (torch.randn(1, L, n, D, device="cuda").to(DTYPE) for n in (H, G, G))
     idx = draw_block_indices(1, L, L, G, T, BS)
     do = torch.randn(q.shape, device="cuda").to(DTYPE)
-    p = selection._resolve(q, k, v, idx, block_size=BS, block_counts=None, cu_seqlens=None, scale=None, out=None, lse=None,
-                           backend="tilelang")
-    o, lse = selection._forward(p)
-    bufs = selection._backward_buffers(p)
-    a = selection._backward_args(p, o, lse, do, *bufs)
-    selection.launch_dq(p, a)
-    selection.launch_dkv(p, a)
+    parts = nsa_backward_parts(q, k, v, idx, do, block_size=BS)
+    bufs = parts.grads
+    parts.dq()
+    parts.dkv()
     torch.cuda.synchronize()
     shipped = [x.clone() for x in bufs]
-    row = dict(L=L, H=H, G=G, T=T, prep_ms=median_ms(lambda: selection._backward_args(p, o, lse, do, *bufs)),
-               dq_ms=median_ms(lambda: selection.launch_dq(p, a)), dkv_ms=median_ms(lambda: selection.launch_dkv(p, a)), variants=[])
+    row = dict(L=L, H=H, G=G, T=T, prep_ms=median_ms(parts.prep), dq_ms=median_ms(parts.dq), dkv_ms=median_ms(parts.dkv), variants=[])
     print("probe", json.dumps(row), flush=True)
     for stage, tiles in BWD_VARIANTS:
         dq_stage = stage.endswith("dq")
-        launch, outs = (selection.launch_dq, (0,)) if dq_stage else (selection.launch_dkv, (1, 2))
+        launch, outs = (parts.dq, (0,)) if dq_stage else (parts.dkv, (1, 2))
         try:
             with using_tiles("sm90", stage, KEY, tiles):
                 for i in outs:
                     bufs[i].fill_(float("nan") if dq_stage else 0.0)  # dk/dv rows no block covers stay the caller's zeros
-                launch(p, a)
+                launch()
                 torch.cuda.synchronize()
                 errs = {("dq", "dk", "dv")[i]: rel_err(bufs[i], shipped[i]) for i in outs}
-                r = dict(stage=stage, tiles=tiles, ms=median_ms(lambda: launch(p, a)), rel_err_vs_shipped=errs)
+                r = dict(stage=stage, tiles=tiles, ms=median_ms(launch), rel_err_vs_shipped=errs)
         except Exception as e:  # a failing candidate is reported, never chosen
             r = dict(stage=stage, tiles=tiles, error=repr(e)[:300])
         row["variants"].append(r)
         print("variant", json.dumps(r), flush=True)
-    del q, k, v, idx, do, o, lse, bufs, a, shipped
+    del q, k, v, idx, do, parts, bufs, shipped
     torch.cuda.empty_cache()
     return row
 

@@ -8,7 +8,8 @@ The timing (`median_ms`, `graph_ms`, `capture_graph`) and run metadata (`environ
 one measurement for the tuner and the benchmarks, so a tuned time and a benchmarked time
 agree; `using_tiles` runs the dispatcher with candidate tiles, `program_variants` with
 another version of a stage's program source (the A/B benchmarks), `shipped_tiles` reads
-an entry of the config. Importing this module loads no TileLang.
+an entry of the config; `nsa_backward_parts` splits NSA's backward for a profile. Importing
+this module loads no TileLang.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import yaml
@@ -106,6 +108,31 @@ def nsa_selection_workload(spec, shape):
     return (lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=bs),
             lambda: mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=bs, backend="reference"),
             lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
+
+
+class NsaBackwardParts(NamedTuple):
+    """NSA selection's native backward as its three device steps (see nsa_backward_parts)."""
+
+    grads: tuple  # (dq, dk, dv), written by dq() and dkv()
+    prep: Callable[[], object]  # the per-row metadata and the sort of the used slots (its result is dropped)
+    dq: Callable[[], None]  # delta = rowsum(dO * O), then dq
+    dkv: Callable[[], None]  # dk and dv (rows no block covers stay zero)
+
+
+def nsa_backward_parts(q, k, v, block_indices, do, *, block_size: int) -> NsaBackwardParts:
+    """The backward of a native nsa_selection_attention call (padded, every block counted, default scale)
+    split into the steps autograd runs together, for a profile (bench_nsa --probe). The forward runs once
+    here; dq() and dkv() take the dispatcher's tiles at each call, so using_tiles around one times others.
+    The one place outside mate/nsa that reaches into mate.nsa.selection: its steps have no public API."""
+    from mate.nsa import selection
+
+    p = selection._resolve(q, k, v, block_indices, block_size=block_size, block_counts=None, cu_seqlens=None, scale=None,
+                           out=None, lse=None, backend="tilelang")
+    o, lse = selection._forward(p)
+    grads = selection._backward_buffers(p)
+    a = selection._backward_args(p, o, lse, do, *grads)
+    return NsaBackwardParts(tuple(grads), lambda: selection._backward_args(p, o, lse, do, *grads),
+                            lambda: selection.launch_dq(p, a), lambda: selection.launch_dkv(p, a))
 
 
 # ---------------------------------------------------------------- QSA sparse attention: logical problems in every layout
