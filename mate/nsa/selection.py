@@ -181,6 +181,8 @@ def _resolve(q, k, v, block_indices, *, block_size, block_counts, cu_seqlens, sc
     unsq = (lambda x: None if x is None else x.unsqueeze(0)) if packed else (lambda x: x)  # noqa: E731
     return Problem(backend, q4, k4, v4, unsq(block_indices), unsq(block_counts), cu_seqlens, block_size, mult, group_heads,
                    unsq(out), unsq(lse), spec, target, grad)
+
+
 def _native_limits(q, k, v, out, n_slots: int, block_size: int, group_heads: int, grad: bool) -> tuple[dict, str]:
     """What the native kernels run (raises ValueError for the rest); returns their specialization and target."""
     D = q.shape[-1]
@@ -243,6 +245,11 @@ def _sequence_starts(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor,
     return seq, cu_seqlens[seq]
 
 
+def _any_visible(p: Problem) -> bool:
+    """False when no key can be visible to any row (no keys, or no slots): then no kernel runs."""
+    return p.k.shape[1] > 0 and p.block_indices.shape[3] > 0
+
+
 def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q, block_counts = p.q, p.block_counts
     B, M, H, D = q.shape
@@ -250,7 +257,7 @@ def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device) if p.lse is None else p.lse
     if B * M * H == 0:
         return out, lse
-    if p.k.shape[1] == 0 or p.block_indices.shape[3] == 0:  # nothing can be visible
+    if not _any_visible(p):
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
@@ -315,7 +322,7 @@ def backward(p: Problem, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor) -
 
 def _native_backward(p: Problem, o, lse, do):
     dq, dk, dv = _backward_buffers(p)
-    if dq.numel() and p.k.shape[1] and p.block_indices.shape[3]:
+    if dq.numel() and _any_visible(p):
         a = _backward_args(p, o, lse, do, dq, dk, dv)
         launch_dq(p, a)
         launch_dkv(p, a)
@@ -325,7 +332,7 @@ def _native_backward(p: Problem, o, lse, do):
 def _backward_buffers(p: Problem):
     """dq (every element written by the dq kernel), dk and dv (zeros: rows of blocks no query uses are not written)."""
     dq = torch.empty(p.q.shape, dtype=p.q.dtype, device=p.q.device)
-    if dq.numel() and not (p.k.shape[1] and p.block_indices.shape[3]):
+    if not _any_visible(p):
         dq.zero_()
     dk = torch.zeros(p.k.shape, dtype=p.k.dtype, device=p.k.device)
     dv = torch.zeros(p.k.shape, dtype=p.k.dtype, device=p.k.device)
