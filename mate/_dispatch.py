@@ -230,18 +230,21 @@ def lower_program(stage: str, spec: dict, target: str, tile_values: dict | None 
         return tilelang.lower(program, target=tvm_target).kernel_source
 
 
-def kernel(stage: str, spec: dict, target: str):
+def kernel(stage: str, spec: dict, target: str, **options):
     """The compiled kernel for (stage, specialization, target) with the config's tiles, compiled on first use.
 
+    `options` are compile-time arguments of the program that are not config keys (gqa_fwd's varlen,
+    sinks, softcap): such a variant takes the tiles of its specialization's entry.
     Config files are read once per process; `clear_caches()` makes the next call read them again.
     """
-    key = (stage, tuple(spec.items()), target)
+    key = (stage, tuple(spec.items()), target, tuple(options.items()))
     k = _kernels.get(key)
     if k is None:
         with _lock:
             k = _kernels.get(key)
             if k is None:
-                k = _kernels[key] = compile_program(stage, spec, target)
+                values = {**tiles(stage, spec, target), **options} if options else None
+                k = _kernels[key] = compile_program(stage, spec, target, values)
     return k
 
 

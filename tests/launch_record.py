@@ -44,20 +44,15 @@ def _describe(x, inputs: list[torch.Tensor]):
 @contextlib.contextmanager
 def recording(records: list, inputs: list):
     from mate import _dispatch
-    from mate.swa import attention as swa
 
-    def kernel(stage, spec, target):
+    def kernel(stage, spec, target, **options):  # options: gqa_attention's variants (varlen, sinks, softcap)
         def launch(*args):
-            records.append(dict(stage=stage, spec=dict(spec), target=target, args=[_describe(a, inputs) for a in args]))
+            records.append(dict(stage=stage, spec={**spec, **options}, target=target, args=[_describe(a, inputs) for a in args]))
 
         return launch
 
-    def gqa_options_kernel(spec_items, varlen, sinks, softcap, target):  # gqa_attention's variants with options
-        return kernel("gqa_fwd", {**dict(spec_items), "varlen": varlen, "sinks": sinks, "softcap": softcap}, target)
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(_dispatch, "kernel", kernel))
-        stack.enter_context(mock.patch.object(swa, "_ext_kernel", gqa_options_kernel))
         stack.enter_context(mock.patch.object(_dispatch, "target_of", lambda x, name: "sm90"))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda i: mock.Mock(multi_processor_count=132)))
         yield

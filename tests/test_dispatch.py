@@ -92,6 +92,25 @@ def test_config_dir_override_and_missing_key(tmp_path, monkeypatch):
         _dispatch.clear_caches()
 
 
+def test_kernel_options_take_their_entrys_tiles_and_clear_with_the_cache(monkeypatch):
+    """A variant with compile-time options (gqa_fwd's varlen/sinks/softcap) is cached beside the plain kernel, on the
+    tiles of its specialization's entry, and clear_caches() forgets it too (a using_tiles run must not keep it)."""
+    built = []
+    monkeypatch.setattr(_dispatch, "compile_program", lambda stage, spec, target, values=None: built.append(values) or len(built))
+    spec = {"dtype": "bfloat16", "dim": 128, "window": "causal"}
+    _dispatch.clear_caches()
+    try:
+        plain = _dispatch.kernel("gqa_fwd", spec, "sm90")
+        opt = _dispatch.kernel("gqa_fwd", spec, "sm90", varlen=True, sinks=False, softcap=True)
+        assert _dispatch.kernel("gqa_fwd", spec, "sm90", varlen=True, sinks=False, softcap=True) == opt != plain
+        assert built == [None, {**_dispatch.tiles("gqa_fwd", spec, "sm90"), "varlen": True, "sinks": False, "softcap": True}]
+        _dispatch.clear_caches()
+        _dispatch.kernel("gqa_fwd", spec, "sm90", varlen=True, sinks=False, softcap=True)
+        assert len(built) == 3
+    finally:
+        _dispatch.clear_caches()
+
+
 def test_target_of_rejects_cpu_naming_targets():
     with pytest.raises(ValueError, match=r"sm90 \(compute capability 9\.0\)"):
         _dispatch.target_of(torch.empty(1), "x")

@@ -24,7 +24,6 @@ reference-only for now.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -103,15 +102,6 @@ def _run_native(q, k, v, o, left, right, scale, target) -> torch.Tensor:
     return lse
 
 
-@functools.cache
-def _ext_kernel(spec_items: tuple, varlen: bool, sinks: bool, softcap: bool, target: str):
-    """The program with options, compiled once per process: the tiles of its (dtype, dim, window) entry,
-    the options as compile-time flags (the plain path keeps _dispatch's kernel, untouched by them)."""
-    spec = dict(spec_items)
-    flags = dict(varlen=varlen, sinks=sinks, softcap=softcap)
-    return _dispatch.compile_program(STAGE.name, spec, target, {**_dispatch.tiles(STAGE.name, spec, target), **flags})
-
-
 def _run_native_ext(p, o) -> torch.Tensor:
     """Varlen, sinks or softcap on the native kernel; shapes are validated, nothing is read back."""
     q, k, v = p.q, p.k, p.v
@@ -126,8 +116,9 @@ def _run_native_ext(p, o) -> torch.Tensor:
         if p.sinks is None:
             return lse.fill_(float("-inf"))
         return lse.copy_(p.sinks.view(H, 1) if varlen else p.sinks.view(1, H, 1))
-    kern = _ext_kernel(tuple(_spec(q.dtype, q.shape[-1], p.left, p.right).items()), varlen, p.sinks is not None,
-                       p.softcap is not None, p.target)
+    # The options are compile-time flags of the program, on the tiles of its (dtype, dim, window) entry.
+    kern = _dispatch.kernel(STAGE.name, _spec(q.dtype, q.shape[-1], p.left, p.right), p.target, varlen=varlen,
+                            sinks=p.sinks is not None, softcap=p.softcap is not None)
     four = (lambda x: x.unsqueeze(0)) if varlen else (lambda x: x)
     cu = C.canonical_unit_strides
     hold = _dispatch.placeholder(q.device, torch.int32, 1)
