@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole GPU test suite (`pytest -m gpu`) in one call of about 8 minutes on one H200, so that it fits
+# one device command of 600 s: the config's kernels compile first in parallel (16 processes), then five
+# groups of test files run side by side, each under its own time limit, each into its own log.
+#
+#   bash scripts/gpu-suite.sh [LOGDIR] [LIMIT_S]     (LOGDIR defaults to $OUT or /tmp/gpu-suite)
+#
+# Run one after another, the groups take about 12 minutes: most of a group's time is compiling the
+# kernels the config does not list (tile variants, option variants) at first use, which runs on the
+# CPU, so groups overlap well. The stress group runs alone in its file because its 1000-launch children
+# are what it measures: a hang shows as its time limit. Prints each group's last lines and exits
+# non-zero if any group failed or ran out of time.
+set -u
+cd "$(dirname "$0")/.."
+LOG=${1:-${OUT:-/tmp/gpu-suite}}
+LIMIT=${2:-420}
+mkdir -p "$LOG"
+
+start=$(date +%s)
+timeout 170 python -m mate.precompile --jobs 16 >"$LOG/precompile.log" 2>&1
+echo "precompile rc=$? in $(($(date +%s) - start)) s: $(tail -c 300 "$LOG/precompile.log" | tr '\r' '\n' | tail -1)"
+
+declare -A SUITE=(
+    [qsa]="tests/test_qsa_attention_gpu.py tests/test_garbage_gpu.py"
+    [gqa]="tests/test_gqa_gpu.py tests/test_gqa_options_gpu.py"
+    [nsa]="tests/test_nsa_gpu.py tests/test_nsa_train_gpu.py"
+    [stress]="tests/test_stress_gpu.py"
+    [rest]="tests --ignore=tests/test_qsa_attention_gpu.py --ignore=tests/test_garbage_gpu.py
+            --ignore=tests/test_gqa_gpu.py --ignore=tests/test_gqa_options_gpu.py --ignore=tests/test_nsa_gpu.py
+            --ignore=tests/test_nsa_train_gpu.py --ignore=tests/test_stress_gpu.py"
+)
+declare -A PIDS=()
+for g in "${!SUITE[@]}"; do
+    # shellcheck disable=SC2086  # the group's words are file names and options
+    timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider ${SUITE[$g]} >"$LOG/$g.log" 2>&1 &
+    PIDS[$g]=$!
+done
+
+status=0
+for g in qsa gqa nsa stress rest; do
+    wait "${PIDS[$g]}"
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    echo "== $g rc=$rc$([ "$rc" -eq 124 ] && echo ' (time limit)')"
+    grep -E "^(FAILED|ERROR)" "$LOG/$g.log" | head -20
+    tail -n 2 "$LOG/$g.log"
+done
+echo "suite: $(($(date +%s) - start)) s, status $status"
+exit "$status"
