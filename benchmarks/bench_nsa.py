@@ -270,8 +270,8 @@ BWD_VARIANTS = [  # the shipped tiles' ring-depth neighbours (every other ring d
     ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 1, "min_blocks": 2}),
     ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 2, "min_blocks": 2}),
     ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 3, "min_blocks": 2}),
-] + [("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": q, "num_stages": s, "min_blocks": 1})
-     for q, s in ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 3), (4, 4))]
+] + [("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": q, "num_stages": s, "min_blocks": b})
+     for q, s, b in ((2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 3, 1), (4, 1, 1), (4, 2, 1), (4, 3, 1), (4, 4, 1))]
 
 
 def precompile_train(jobs: int) -> None:

@@ -10,16 +10,18 @@ from mate._hopper import MAX_GROUP, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RES
 from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, TILE_KEYS
 
 
-SUBPARTITIONS = 4  # an SM's warps and register file are split in four; a CTA's warps are dealt out over them
+# At 2 CTAs per SM the dk/dv program's producer warpgroup lowers its registers to PRODUCER_REGS and the
+# consumer raises its own to CONSUMER_REGS (setmaxnreg): per SM 2 x 128 x (40 + 216) = all 65536.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 216
 
 
-def _fits(t, smem: int, regs: int, cta_threads: int) -> str | None:
-    """Whether min_blocks CTAs of `smem` bytes and `cta_threads` threads of `regs` registers (beside SPARE_REGS) share an SM."""
+def _fits(t, smem: int, regs: int, cta_threads: int, cap: int | None = None) -> str | None:
+    """Whether min_blocks CTAs of `smem` bytes and `cta_threads` threads of `regs` registers (beside SPARE_REGS)
+    share an SM; `cap`: the registers a thread may hold, when the program sets them itself."""
     if t["min_blocks"] * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
         return f"{t['min_blocks']} CTAs of {smem} B shared memory do not fit in one SM"
-    # The busiest sub-partition holds ceil(warps / 4) warps: 2 CTAs of 5 warps (dk/dv) cap at 168, not 204.
-    warps = -(-t["min_blocks"] * -(-cta_threads // 32) // SUBPARTITIONS)
-    cap = min(MAX_REGS, REGS_PER_SM // SUBPARTITIONS // (32 * warps) // 8 * 8)
+    cap = cap or min(MAX_REGS, REGS_PER_SM // (cta_threads * t["min_blocks"]))
     if regs + SPARE_REGS > cap:
         return f"{t['min_blocks']} CTAs per SM cap registers at {cap} per thread, below {regs} + {SPARE_REGS}"
     return None
@@ -57,9 +59,10 @@ def _dkv_limits(spec, t):
     # The K and V tile, a ring of Q and dO of `queries` entries, P and dS (input dtype); per stage and
     # column the LSE (log2), delta and the query's last visible key row; two mbarriers per stage.
     smem = es * (2 * TILE_KEYS * d + ns * 2 * cols * d + 2 * TILE_KEYS * cols) + ns * 12 * cols + ns * 2 * 8
-    # dK, dV, S, dP (FP32), P and dS (16-bit); one producer warp beside the consumer.
+    # dK, dV, S, dP (FP32), P and dS (16-bit), in the consumer; a producer warpgroup beside it, which at
+    # 2 CTAs per SM gives it registers.
     regs = (2 * TILE_KEYS * d + 2 * TILE_KEYS * cols) // t["threads"] + TILE_KEYS * cols // t["threads"]
-    return _fits(t, smem, regs, t["threads"] + 32)
+    return _fits(t, smem, regs, 2 * t["threads"], CONSUMER_REGS if t["min_blocks"] == 2 else None)
 
 
 DQ = Stage(
@@ -71,7 +74,7 @@ DQ = Stage(
 )
 DKV = Stage(
     "nsa_selection_bwd_dkv", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dkv",
-    space=dict(head_tile=(MAX_GROUP,), threads=(128,), queries=(2, 4), num_stages=(1, 2, 3, 4), min_blocks=(1, 2, 3)),
+    space=dict(head_tile=(MAX_GROUP,), threads=(128,), queries=(2, 4), num_stages=(1, 2, 3, 4), min_blocks=(1, 2)),
     keys=("dtype", "dim", "block_size"),
     limits=_dkv_limits,
     pass_configs="PASS_CONFIGS",
