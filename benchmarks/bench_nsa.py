@@ -40,6 +40,7 @@ tiles of its two kernels.
 
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
   python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--probe] [--out FILE]
+  python benchmarks/bench_nsa.py --train --compile-only JOBS   (the kernels of the line above, into the disk cache)
 """
 
 from __future__ import annotations
@@ -265,13 +266,23 @@ def run_train(L, H, G, T=T_SEL, fla=True):
     return row
 
 
-BWD_VARIANTS = [
-    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 4}),
-    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "min_blocks": 5}),
-    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 1, "min_blocks": 3}),
-    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 1}),
-    ("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": 4, "min_blocks": 2}),
-]
+BWD_VARIANTS = [  # the shipped tiles' ring-depth neighbours (every other ring depth of each kernel)
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 1, "min_blocks": 2}),
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 2, "min_blocks": 2}),
+    ("nsa_selection_bwd_dq", {"head_tile": 16, "threads": 128, "num_stages": 3, "min_blocks": 2}),
+] + [("nsa_selection_bwd_dkv", {"head_tile": 16, "threads": 128, "queries": q, "num_stages": s, "min_blocks": b})
+     for q, s, b in ((2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 3, 1), (4, 1, 1), (4, 2, 1), (4, 3, 1), (4, 4, 1))]
+
+
+def precompile_train(jobs: int) -> None:
+    """Compile every kernel a --train --probe run takes at KEY (the shipped tiles of the three stages and
+    BWD_VARIANTS) into TileLang's disk cache, in `jobs` processes, so the timed run compiles nothing."""
+    from mate.precompile import build_all
+
+    todo = [(s, KEY, None, True) for s in ("nsa_selection", "nsa_selection_bwd_dq", "nsa_selection_bwd_dkv")]
+    todo += [(s, KEY, t, True) for s, t in BWD_VARIANTS]
+    for (stage, _, tiles, _), (_, error) in build_all(todo, "sm90", jobs):
+        print("compiled", stage, tiles or "shipped", error or "ok", flush=True)
 
 
 def train_probe(L, H, G, T=T_SEL):
@@ -353,8 +364,11 @@ def main(argv=None):
     ap.add_argument("--train", action="store_true", help="forward + backward beside FLA")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--T", type=int, default=T_SEL)
+    ap.add_argument("--compile-only", type=int, metavar="JOBS", help="with --train: compile its kernels in JOBS processes and stop")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.train and a.compile_only:
+        return precompile_train(a.compile_only)
     if a.train:
         return train_main(a)
     res = dict(

@@ -1,4 +1,4 @@
-"""Run every native kernel of tests/cases.py under compute-sanitizer (memcheck and racecheck).
+"""Run every native kernel of tests/cases.py (and EXTRA_CASES below) under compute-sanitizer (memcheck and racecheck).
 
     python tests/sanitize.py [--tools memcheck,racecheck] [--cases mqa_decode,...]
 
@@ -42,6 +42,49 @@ HERE = Path(__file__).resolve().parent
 TOOLS = ("memcheck", "racecheck")
 
 
+def nsa_backward(device, gen):
+    """NSA selection's backward (its dq and dk/dv kernels; tests/cases.py's cases run forward calls): padded
+    inputs at storage offsets, 3 heads a group (the dk/dv kernel's TMA box of 16 reaches into the next group's
+    heads, which it zeroes), D 128 in blocks of 32, -1 pads, duplicates, block_counts, rows that see nothing."""
+    import torch
+
+    import mate
+    from cases import I32, Problem
+    from mate.testing import nsa_indices, randint, randn, tail_view
+
+    B, M, N, G, hpg, D, T, bs = 2, 37, 150, 2, 3, 128, 6, 32
+    q = tail_view(gen, (B, M, G * hpg, D), device=device, pad_cols=8)
+    kv = tail_view(gen, (B, N, 2, G, D), device=device)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    idx = torch.zeros(B, M, G, T, dtype=I32, device=device)
+    counts = torch.zeros(B, M, G, dtype=I32, device=device)
+    do = torch.zeros(B, M, G * hpg, D, dtype=q.dtype, device=device)
+
+    def refresh():
+        idx.copy_(nsa_indices(gen, B, M, G, T, N, bs, device))
+        counts.copy_(randint(gen, -1, T + 2, (B, M, G), device))
+        do.copy_(randn(gen, *do.shape, device=device))
+
+    def call(backend):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o, _ = mate.nsa_selection_attention(*leaves, idx, block_size=bs, block_counts=counts, backend=backend)
+        return torch.autograd.grad(o, leaves, do)
+
+    refresh()
+    return Problem(call, refresh)
+
+
+# Cases of this script alone, beside tests/cases.py's.
+EXTRA_CASES = {"nsa_backward": nsa_backward}
+
+
+def all_cases() -> dict:
+    sys.path.insert(0, str(HERE))
+    from cases import CASES
+
+    return {**CASES, **EXTRA_CASES}
+
+
 def run_cases(names: list[str], check: bool = True) -> int:
     """The sanitized process: each case natively, three times, checked against the reference (unless check=False)."""
     import time
@@ -50,11 +93,12 @@ def run_cases(names: list[str], check: bool = True) -> int:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from cases import CASES, NOT_YET, assert_matches
+    from cases import NOT_YET, assert_matches
 
+    cases = all_cases()
     failed = 0
     for name in names:
-        p = CASES[name]("cuda", torch.Generator().manual_seed(2))
+        p = cases[name]("cuda", torch.Generator().manual_seed(2))
         start = time.perf_counter()
         try:
             for i in range(3):
@@ -139,13 +183,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="sanitized processes at a time (see the docstring before raising it)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one sanitized process may take before it is killed and failed")
     args = ap.parse_args()
-    sys.path.insert(0, str(HERE))
-    from cases import CASES
-
-    names = [n for n in args.cases.split(",") if n] or list(CASES)
-    unknown = set(names) - set(CASES)
+    cases = all_cases()
+    names = [n for n in args.cases.split(",") if n] or list(cases)
+    unknown = set(names) - set(cases)
     if unknown:
-        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(cases)}")
     if args.run:
         return run_cases(names, check=not args.no_check)
 

@@ -212,3 +212,68 @@ def test_native_forward_packed_without_grad_matches_padded():
         o1, l1 = mate.nsa_selection_attention(q[None, a:b], k[None, a:b], v[None, a:b], idx[None, a:b], block_size=32)
         assert torch.equal(o[a:b], o1[0]) and torch.equal(lse[:, a:b], l1[0])
     assert math.isfinite(float(o.float().abs().sum()))
+
+
+# Every ring depth (and, for dk/dv, entries a step) of the two backward kernels' search spaces at the seed's
+# specialization, each at the most CTAs per SM its card allows: forward + backward, LAUNCHES times back to back
+# with those tiles, in a child process with a time limit (a hung kernel cannot be interrupted from Python).
+RING_CHILD = """
+import json, sys, torch, mate
+from mate.testing import using_tiles
+from test_nsa_gpu import draw_indices
+key, launches = "dtype=bfloat16,dim=128,block_size=64", int(sys.argv[2])
+q, k, v = (torch.randn(1, 2048, n, 128, device="cuda").to(torch.bfloat16).requires_grad_() for n in (16, 2, 2))
+idx = draw_indices(1, 2048, 2, 16, 2048, 64)
+do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
+for stage, tiles in json.loads(sys.argv[1]):
+    with using_tiles("sm90", stage, key, tiles):
+        o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=64)
+        print("started", stage, tiles, flush=True)
+        for i in range(launches):
+            torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            if i % 50 == 49:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        print("finished", stage, tiles, flush=True)
+"""
+
+
+def ring_variants() -> list:
+    """(stage, tiles): each distinct program (all tiles but min_blocks) of the backward's spaces that fits at the
+    seed's specialization, with the largest min_blocks that fits."""
+    import itertools
+
+    from mate import _dispatch
+
+    spec = dict(dtype="bfloat16", dim=128, block_size=64)
+    out = []
+    for stage in ("nsa_selection_bwd_dq", "nsa_selection_bwd_dkv"):
+        card = _dispatch.STAGES[stage]
+        best = {}
+        for values in itertools.product(*card.space.values()):
+            tiles = dict(zip(card.space, values))
+            if card.limits(spec, tiles) is None:
+                shape = tuple(v for p, v in tiles.items() if p != "min_blocks")
+                if tiles["min_blocks"] >= best.get(shape, {}).get("min_blocks", 0):
+                    best[shape] = tiles
+        out += [(stage, t) for t in best.values()]
+    return out
+
+
+def test_every_ring_depth_finishes_back_to_back_launches():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = ring_variants()
+    limit = 240
+    try:
+        proc = subprocess.run([sys.executable, "-c", RING_CHILD, json.dumps(cases), "1000"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        started = [ln for ln in out.splitlines() if ln.startswith("started")]
+        pytest.fail(f"not finished within {limit} s; the last case started: {started[-1] if started else 'none'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(ln.startswith("finished") for ln in proc.stdout.splitlines()) == len(cases), proc.stdout

@@ -374,8 +374,9 @@ def _backward_args(p: Problem, o, lse, do, dq, dk, dv) -> dict:
     start = torch.where(used, key_base.view(TQ, 1, 1).long() + blk * bs, 0)
     n_seg = TK // bs + n_seq
     seg = torch.arange(G, device=dev).view(1, G, 1) * n_seg + torch.div(start, bs, rounding_mode="floor") + seq.view(TQ, 1, 1)
-    order = torch.sort(torch.where(used, seg, G * n_seg).flatten(), stable=True)
-    bounds = torch.searchsorted(order.values, torch.arange(G * n_seg + 1, device=dev)).int()
+    # int32 keys (G * n_seg is far below 2**31): half the radix sort's passes of int64 ones.
+    order = torch.sort(torch.where(used, seg, G * n_seg).flatten().int(), stable=True)
+    bounds = torch.searchsorted(order.values, torch.arange(G * n_seg + 1, device=dev, dtype=torch.int32)).int()
     return dict(
         q=flat(q, H), o=flat(o, H), do=flat(do.contiguous(), H), k=flat(k, G), v=flat(v, G), idx=idx.unsqueeze(0),
         counts=counts.unsqueeze(0), lse=lse.transpose(0, 1).reshape(H, TQ), key_base=key_base, pos=pos,
@@ -389,7 +390,7 @@ def _backward_args(p: Problem, o, lse, do, dq, dk, dv) -> dict:
 def launch_dq(p: Problem, a: dict) -> None:
     """delta = rowsum(dO * O) and dq (the dk/dv kernel reads delta)."""
     _dispatch.kernel(BWD_DQ.name, p.spec, p.target)(
-        a["q"], a["o"], a["do"], a["k"], a["v"], a["idx"], a["counts"], a["lse"], a["key_base"], a["pos"], a["dq"], a["delta"],
+        a["q"], a["o"], a["do"], a["k"].unsqueeze(0), a["v"].unsqueeze(0), a["idx"], a["counts"], a["lse"], a["key_base"], a["pos"], a["dq"], a["delta"],
         p.scale, p.group_heads, int(p.block_counts is not None))
 
 

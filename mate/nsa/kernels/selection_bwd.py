@@ -7,53 +7,109 @@ key n of a selected block j is row KB + j*block_size + n' and is visible iff
 j*block_size + n' <= POS. The probabilities are recomputed from the forward's
 LSE: P = exp(scale * q.k - LSE), dS = P * (dO.v - delta), delta = rowsum(dO*O).
 
-`nsa_selection_bwd_dq`: one CTA per (query row, KV group), as the forward:
-delta of the group's heads first (written out for the second kernel), then
-per selected 64-key tile (one block of 64, or two of 32) S^T = K Q^T and
-dP^T = V dO^T ("keys as M", the group's heads padded to head_tile as N),
-dS^T, and dq^T += K^T dS^T. Masked key rows of the K and V tiles are loaded
-as zeros, so NaN in keys the row does not see never meets a zero weight in
-a product.
+`nsa_selection_bwd_dq`: one CTA per (query row, KV group), built as the
+forward (mate.nsa.kernels.selection): warp 0 of a producer warpgroup loads
+the selected 64-key tiles (one block of 64, or two of 32) of K and V by TMA
+into a ring of `num_stages` tiles, while the consumer warpgroup computes
+delta of the group's heads (written out for the second kernel), then per tile
+S^T = K Q^T and dP^T = V dO^T ("keys as M", the group's heads padded to
+head_tile as N), dS^T, and dq^T += K^T dS^T. V is released after dP, K after
+dq. Masked scores are selected away; K rows of masked keys are zeroed before
+dq's product (only the tiles that hold some), so NaN in keys the row does not
+see never meets a zero weight.
 
 `nsa_selection_bwd_dkv`: one CTA per (key block, KV group), over the queries
 that selected the block (the caller lists them, sorted, per block: `LO`/`HI`
 bound the block's run of entries, `EQ` the query row of an entry, `ER` the
-block's first key row). It keeps the block's K and V tile and its dK, dV
-accumulators [64, D] (FP32) and takes `queries` entries a step, their heads
-side by side as the MMA's N: S^T, dP^T as above, then dV += P^T dO and
-dK += dS^T Q. Each dk/dv row is written once, by its block's CTA, after a
-fixed order of entries: no atomics, bitwise reproducible. Rows of blocks no
-query uses are not written (the caller zeroes them).
+block's first key row). The consumer warpgroup keeps the block's K and V tile
+and its dK, dV accumulators [64, D] (FP32) and takes `queries` entries a
+step, their heads side by side as the MMA's N: S^T, dP^T as above, then
+dV += P^T dO and dK += dS^T Q. Warp 0 of a producer warpgroup loads each
+step's Q and dO rows of the group's heads by TMA into a ring of `num_stages`
+steps, and per column the LSE, delta and the query's last visible key row by
+its lanes; an entry past the block's run repeats the last entry (finite data,
+weight 0). At 2 CTAs per SM the producer warpgroup gives its registers to the
+consumer (setmaxnreg, the card's PRODUCER_REGS / CONSUMER_REGS), whose dK and
+dV alone take 128 a thread at D 128: against one producer warp and 1 CTA per
+SM (5 warps a CTA: 2 CTAs would cap registers at 168 and spill), 27.2 ms
+instead of 41.7 at the seed shape on the H200, bitwise the same gradients. Each dk/dv row is written once, by its
+block's CTA, after a fixed order of entries: no atomics, bitwise
+reproducible. Rows of blocks no query uses are not written (the caller
+zeroes them).
 
-Both use plain 16-byte loads into shared memory (the wrapper checks the
-layout rule on every tensor they read; the programs assume it) and
-TileLang's own synchronisation (no producer warp): simple first; several
-CTAs per SM hide the latency.
+Both take the forward's pass options (no automatic thread-storage sync: the
+programs place their own barriers, see the forward's PASS_CONFIGS).
 """
 
 import tilelang.language as T
 
-from mate.nsa.kernels.selection import _compact_blocks
+from mate._tl import FENCE_SOURCE, fence
+from mate.nsa.kernels.selection import CONSUMER_BARRIER, PASS_CONFIGS, _compact_blocks, _tile_load, _zero_masked_v  # noqa: F401
+from mate.nsa.kernels.selection_bwd_card import CONSUMER_REGS, PRODUCER_REGS
 from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
 
 LOG2E = 1.4426950408889634
 INF = T.infinity("float32")
 
 
-def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, min_blocks):
+@T.macro
+def _delta_and_lse(O, DO, LSE, DELTA, od, dlt, delta, lse2, bq, h0, group_heads, head_tile, dim):
+    # delta = rowsum(dO * O) per head (also written out, for the dk/dv kernel) and the LSE in log2 units;
+    # a padded head gets LSE +inf, so P = 0 there.
+    for h, d in T.Parallel(head_tile, dim):
+        od[h, d] = T.if_then_else(h < group_heads, T.cast(O[bq, h0 + h, d], "float32") * T.cast(DO[bq, h0 + h, d], "float32"), 0)
+    T.reduce_sum(od, dlt, dim=1)
+    for h in T.Parallel(head_tile):
+        delta[h] = dlt[h]
+        lse2[h] = T.if_then_else(h < group_heads, LSE[h0 + T.min(h, group_heads - 1), bq] * LOG2E, INF)
+    for h in T.Parallel(head_tile):
+        if h < group_heads:
+            DELTA[h0 + h, bq] = dlt[h]
+
+
+@T.macro
+def _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty, v_empty, S, dP, dS, dqT, it, n_used, pos,
+             scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
+    """One tile of the dq consumer: S^T and dP^T, dS^T (masked keys 0), dq^T += K^T dS^T."""
+    st = it % num_stages
+    T.barrier_wait(k_full[st], (it // num_stages) & 1)
+    fence()
+    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+    T.barrier_wait(v_full[st], (it // num_stages) & 1)
+    fence()
+    T.gemm(Vs[st, :, :], dOs, dP, transpose_B=True, clear_accum=True)
+    fence()
+    T.barrier_arrive(v_empty[st])
+    for k, h in T.Parallel(TILE_KEYS, head_tile):
+        slot = it * per_tile + k // block_size
+        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+        p = T.exp2(S[k, h] * scale_log2 - lse2[h])
+        dS[k, h] = T.cast(T.if_then_else((slot < n_used) & (n <= pos), p * (dP[k, h] - delta[h]), 0), dtype)
+    T.copy(dS, dSs)
+    _zero_masked_v(Ks, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
+    T.fence_proxy_async()
+    T.sync_threads(CONSUMER_BARRIER, threads)  # dS is in shared memory
+    fence()
+    T.gemm(Ks[st, :, :], dSs, dqT, transpose_A=True)
+    fence()
+    T.barrier_arrive(k_empty[st])
+
+
+def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
+    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
     per_tile = TILE_KEYS // block_size
     TQ, TK, H, G, TT = T.dynamic("TQ TK H G TT")
-    (sq0, sq1, so0, so1, sd0, sd1, sk0, sk1, sv0, sv1, sib, si0, si1, si2, scb, sc0, sc1, sl0, sl1, sg0, sg1) = T.dynamic(
-        "sq0 sq1 so0 so1 sd0 sd1 sk0 sk1 sv0 sv1 sib si0 si1 si2 scb sc0 sc1 sl0 sl1 sg0 sg1", "int64")
+    (skb, svb, sq0, sq1, so0, so1, sd0, sd1, sk0, sk1, sv0, sv1, sib, si0, si1, si2, scb, sc0, sc1, sl0, sl1, sg0, sg1) = T.dynamic(
+        "skb svb sq0 sq1 so0 so1 sd0 sd1 sk0 sk1 sv0 sv1 sib si0 si1 si2 scb sc0 sc1 sl0 sl1 sg0 sg1", "int64")
 
     @T.prim_func
     def main(
         Q: T.StridedTensor((TQ, H, dim), (sq0, sq1, 1), dtype),
         O: T.StridedTensor((TQ, H, dim), (so0, so1, 1), dtype),
         DO: T.StridedTensor((TQ, H, dim), (sd0, sd1, 1), dtype),
-        K: T.StridedTensor((TK, G, dim), (sk0, sk1, 1), dtype),
-        V: T.StridedTensor((TK, G, dim), (sv0, sv1, 1), dtype),
+        K: T.StridedTensor((1, TK, G, dim), (skb, sk0, sk1, 1), dtype),
+        V: T.StridedTensor((1, TK, G, dim), (svb, sv0, sv1, 1), dtype),
         BI: T.StridedTensor((1, TQ, G, TT), (sib, si0, si1, si2), "int32"),
         BC: T.StridedTensor((1, TQ, G), (scb, sc0, sc1), "int32"),
         LSE: T.StridedTensor((H, TQ), (sl0, sl1), "float32"),
@@ -65,17 +121,24 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, min_blocks)
         group_heads: T.int32,
         use_counts: T.int32,
     ):
-        with T.Kernel(TQ, G, threads=threads) as (bq, bg):
+        # A producer warpgroup (of which warp 0 works) and the consumer warpgroup, as the forward.
+        with T.Kernel(TQ, G, threads=2 * threads) as (bq, bg):
+            T.import_source(FENCE_SOURCE)
             T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
             Qs = T.alloc_shared((head_tile, dim), dtype)
             dOs = T.alloc_shared((head_tile, dim), dtype)
-            Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
-            Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
+            Ks = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
+            Vs = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
             dSs = T.alloc_shared((TILE_KEYS, head_tile), dtype)
             lse2 = T.alloc_shared((head_tile,), "float32")
             delta = T.alloc_shared((head_tile,), "float32")
             blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
             used = T.alloc_shared((1,), "int32", scope="shared")
+            k_full = T.alloc_barrier([1] * num_stages)
+            v_full = T.alloc_barrier([1] * num_stages)
+            k_empty = T.alloc_barrier([threads] * num_stages)
+            v_empty = T.alloc_barrier([threads] * num_stages)
             od = T.alloc_fragment((head_tile, dim), "float32")
             dlt = T.alloc_fragment((head_tile,), "float32")
             S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
@@ -90,10 +153,6 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, min_blocks)
             T.assume(sg1 % 8 == 0)
             T.assume(so0 % 8 == 0)
             T.assume(so1 % 8 == 0)
-            T.assume(sk0 % 8 == 0)
-            T.assume(sk1 % 8 == 0)
-            T.assume(sv0 % 8 == 0)
-            T.assume(sv1 % 8 == 0)
 
             pos = POS[bq]
             kb = KB[bq]
@@ -105,49 +164,109 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, min_blocks)
             for h, d in T.Parallel(head_tile, dim):
                 Qs[h, d] = T.if_then_else(h < group_heads, Q[bq, h0 + h, d], T.cast(0, dtype))
                 dOs[h, d] = T.if_then_else(h < group_heads, DO[bq, h0 + h, d], T.cast(0, dtype))
-            for h, d in T.Parallel(head_tile, dim):
-                od[h, d] = T.if_then_else(h < group_heads, T.cast(O[bq, h0 + h, d], "float32") * T.cast(DO[bq, h0 + h, d], "float32"), 0)
-            T.reduce_sum(od, dlt, dim=1)
-            for h in T.Parallel(head_tile):
-                delta[h] = dlt[h]
-                # A padded head gets LSE +inf, so P = 0 there.
-                lse2[h] = T.if_then_else(h < group_heads, LSE[h0 + T.min(h, group_heads - 1), bq] * LOG2E, INF)
-            for h in T.Parallel(head_tile):
-                if h < group_heads:
-                    DELTA[h0 + h, bq] = dlt[h]
             _compact_blocks(BI, blocks, used, 0, bq, bg, slots, last_block)
-            T.fill(dqT, 0)
+            T.sync_threads()
+            fence()
             n_used = used[0]
-            for it in T.serial(T.ceildiv(n_used, per_tile)):
-                for k, d in T.Parallel(TILE_KEYS, dim):
-                    slot = it * per_tile + k // block_size
-                    n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
-                    ok = (slot < n_used) & (n <= pos)
-                    row = T.if_then_else(ok, kb + n, 0)
-                    Ks[k, d] = T.if_then_else(ok, K[row, bg, d], T.cast(0, dtype))
-                    Vs[k, d] = T.if_then_else(ok, V[row, bg, d], T.cast(0, dtype))
-                T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
-                T.gemm(Vs, dOs, dP, transpose_B=True, clear_accum=True)
-                for k, h in T.Parallel(TILE_KEYS, head_tile):
-                    slot = it * per_tile + k // block_size
-                    n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
-                    ok = (slot < n_used) & (n <= pos)
-                    p = T.exp2(S[k, h] * scale_log2 - lse2[h])
-                    dS[k, h] = T.cast(T.if_then_else(ok, p * (dP[k, h] - delta[h]), 0), dtype)
-                T.copy(dS, dSs)
-                T.gemm(Ks, dSs, dqT, transpose_A=True)
-            for d, h in T.Parallel(dim, head_tile):
-                Qs[h, d] = T.cast(dqT[d, h] * scale, dtype)
-            for h, d in T.Parallel(head_tile, dim):
-                if h < group_heads:
-                    DQ[bq, h0 + h, d] = Qs[h, d]
+            n_tiles = T.ceildiv(n_used, per_tile)
+
+            if tx < threads:
+                if tx < 32:  # warp 0 alone (see the forward)
+                    for it in T.serial(n_tiles):
+                        st = it % num_stages
+                        n0 = kb + blocks[it * per_tile] * block_size
+                        n1 = kb + blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
+                        _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, 0, bg, n0, n1, block_size, per_tile, dim)
+                        _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, 0, bg, n0, n1, block_size, per_tile, dim)
+            else:
+                _delta_and_lse(O, DO, LSE, DELTA, od, dlt, delta, lse2, bq, h0, group_heads, head_tile, dim)
+                T.sync_threads(CONSUMER_BARRIER, threads)
+                fence()
+                T.fill(dqT, 0)
+                for it in T.serial(n_tiles):
+                    _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty, v_empty, S, dP, dS, dqT, it, n_used,
+                             pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
+                # dq goes out through Q's buffer (the last product has read it).
+                for d, h in T.Parallel(dim, head_tile):
+                    Qs[h, d] = T.cast(dqT[d, h] * scale, dtype)
+                T.sync_threads(CONSUMER_BARRIER, threads)
+                fence()
+                for h, d in T.Parallel(head_tile, dim):
+                    if h < group_heads:
+                        DQ[bq, h0 + h, d] = Qs[h, d]
 
     return main
 
 
-def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, min_blocks):
+@T.macro
+def _load_entries(Q, DO, LSE, DELTA, QLIM, EQ, Qs, dOs, lse2, delta, qlim, full, empty, step, lo, n_entries, h0, bg, lane,
+                  group_heads, queries, head_tile, num_stages, dim):
+    """The producer warp's step: Q and dO rows of `queries` entries by TMA, per column the LSE (log2), delta and
+    last visible key row by the lanes; then all 32 lanes arrive on the stage's full barrier."""
+    st = step % num_stages
+    T.barrier_wait(empty[st], ((step // num_stages) & 1) ^ 1)
+    for j in T.unroll(queries):
+        qj = EQ[lo + T.min(step * queries + j, n_entries - 1)]
+        for c0 in T.unroll(dim // 64):
+            T.tma_copy(Q[qj, h0 : h0 + head_tile, c0 * 64 : c0 * 64 + 64],
+                       Qs[st, j * head_tile : j * head_tile + head_tile, c0 * 64 : c0 * 64 + 64], barrier=full[st],
+                       leader_scope_threads=32)
+            T.tma_copy(DO[qj, h0 : h0 + head_tile, c0 * 64 : c0 * 64 + 64],
+                       dOs[st, j * head_tile : j * head_tile + head_tile, c0 * 64 : c0 * 64 + 64], barrier=full[st],
+                       leader_scope_threads=32)
+    for r in T.unroll(queries * head_tile // 32):
+        c = r * 32 + lane
+        e = step * queries + c // head_tile
+        h = c % head_tile
+        live = (e < n_entries) & (h < group_heads)
+        qi = EQ[lo + T.min(e, n_entries - 1)]
+        hh = h0 + T.min(h, group_heads - 1)
+        lse2[st, c] = T.if_then_else(live, LSE[hh, qi] * LOG2E, INF)
+        delta[st, c] = T.if_then_else(live, DELTA[hh, qi], 0)
+        qlim[st, c] = T.if_then_else(live, QLIM[qi], -1)
+    T.barrier_arrive(full[st])
+
+
+@T.macro
+def _dkv_step(Ks, Vs, Qs, dOs, Ps, dSs, lse2, delta, qlim, full, empty, S, dP, P, dS, dK, dV, step, row0, block_size,
+              group_heads, scale_log2, num_stages, cols, head_tile, dim, threads, dtype):
+    """One step of the dk/dv consumer: S^T, dP^T, P and dS (0 where masked), dV += P dO, dK += dS Q."""
+    st = step % num_stages
+    T.barrier_wait(full[st], (step // num_stages) & 1)
+    fence()
+    if group_heads < head_tile:
+        # The TMA box holds head_tile heads: those past the group are another group's rows (or zeros past H).
+        # Their weights are 0, but 0 * NaN is NaN: zero them.
+        for c, d in T.Parallel(cols, dim):
+            if c % head_tile >= group_heads:
+                Qs[st, c, d] = T.cast(0, dtype)
+                dOs[st, c, d] = T.cast(0, dtype)
+        T.fence_proxy_async()
+        T.sync_threads(CONSUMER_BARRIER, threads)
+        fence()
+    T.gemm(Ks, Qs[st, :, :], S, transpose_B=True, clear_accum=True)
+    T.gemm(Vs, dOs[st, :, :], dP, transpose_B=True, clear_accum=True)
+    for k, c in T.Parallel(TILE_KEYS, cols):
+        ok = (k < block_size) & (row0 + k <= qlim[st, c])
+        p = T.if_then_else(ok, T.exp2(S[k, c] * scale_log2 - lse2[st, c]), 0)
+        P[k, c] = T.cast(p, dtype)
+        dS[k, c] = T.cast(T.if_then_else(ok, p * (dP[k, c] - delta[st, c]), 0), dtype)
+    T.copy(P, Ps)
+    T.copy(dS, dSs)
+    T.fence_proxy_async()
+    T.sync_threads(CONSUMER_BARRIER, threads)  # P and dS are in shared memory
+    fence()
+    T.gemm(Ps, dOs[st, :, :], dV)
+    T.gemm(dSs, Qs[st, :, :], dK)
+    fence()
+    T.barrier_arrive(empty[st])
+
+
+def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, num_stages, min_blocks):
     assert TILE_KEYS % block_size == 0, "block_size must divide 64"
+    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
     cols = queries * head_tile
+    assert cols % 32 == 0, "the producer warp's lanes take the step's columns 32 at a time"
     TQ, TK, H, G, E, NSEG = T.dynamic("TQ TK H G E NSEG")
     (sq0, sq1, sd0, sd1, sk0, sk1, sv0, sv1, sl0, sl1, sa0, sa1, sb0, sb1, so0, so1) = T.dynamic(
         "sq0 sq1 sd0 sd1 sk0 sk1 sv0 sv1 sl0 sl1 sa0 sa1 sb0 sb1 so0 so1", "int64")
@@ -171,27 +290,27 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, m
         scale: T.float32,
         group_heads: T.int32,
     ):
-        with T.Kernel(NSEG, G, threads=threads) as (bs_, bg):
+        with T.Kernel(NSEG, G, threads=2 * threads) as (bs_, bg):
+            T.import_source(FENCE_SOURCE)
             T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
             Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
             Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
-            Qs = T.alloc_shared((cols, dim), dtype)
-            dOs = T.alloc_shared((cols, dim), dtype)
+            Qs = T.alloc_shared((num_stages, cols, dim), dtype)
+            dOs = T.alloc_shared((num_stages, cols, dim), dtype)
             Ps = T.alloc_shared((TILE_KEYS, cols), dtype)
             dSs = T.alloc_shared((TILE_KEYS, cols), dtype)
-            lse2 = T.alloc_shared((cols,), "float32")
-            delta = T.alloc_shared((cols,), "float32")
-            qlim = T.alloc_shared((cols,), "int32")
+            lse2 = T.alloc_shared((num_stages, cols), "float32", scope="shared")
+            delta = T.alloc_shared((num_stages, cols), "float32", scope="shared")
+            qlim = T.alloc_shared((num_stages, cols), "int32", scope="shared")
+            full = T.alloc_barrier([32] * num_stages)
+            empty = T.alloc_barrier([threads] * num_stages)
             S = T.alloc_fragment((TILE_KEYS, cols), "float32")
             dP = T.alloc_fragment((TILE_KEYS, cols), "float32")
             P = T.alloc_fragment((TILE_KEYS, cols), dtype)
             dS = T.alloc_fragment((TILE_KEYS, cols), dtype)
             dK = T.alloc_fragment((TILE_KEYS, dim), "float32")
             dV = T.alloc_fragment((TILE_KEYS, dim), "float32")
-            T.assume(sq0 % 8 == 0)
-            T.assume(sq1 % 8 == 0)
-            T.assume(sd0 % 8 == 0)
-            T.assume(sd1 % 8 == 0)
             T.assume(so0 % 8 == 0)
             T.assume(so1 % 8 == 0)
             T.assume(sk0 % 8 == 0)
@@ -205,48 +324,33 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, m
             scale_log2 = scale * LOG2E
             if n_entries > 0:
                 row0 = ER[lo]
-                kend = KEND[EQ[lo]]
-                for k, d in T.Parallel(TILE_KEYS, dim):
-                    ok = (k < block_size) & (row0 + k < kend)
-                    row = T.if_then_else(ok, row0 + k, 0)
-                    Ks[k, d] = T.if_then_else(ok, K[row, bg, d], T.cast(0, dtype))
-                    Vs[k, d] = T.if_then_else(ok, V[row, bg, d], T.cast(0, dtype))
-                T.fill(dK, 0)
-                T.fill(dV, 0)
-                for step in T.serial(T.ceildiv(n_entries, queries)):
-                    # Column c is head c % head_tile of entry step * queries + c // head_tile; a padded head
-                    # or an entry past the block's run is a zero column with P = 0.
-                    for c, d in T.Parallel(cols, dim):
-                        e = step * queries + c // head_tile
-                        h = c % head_tile
-                        live = (e < n_entries) & (h < group_heads)
-                        qi = EQ[lo + T.min(e, n_entries - 1)]
-                        hh = h0 + T.min(h, group_heads - 1)
-                        Qs[c, d] = T.if_then_else(live, Q[qi, hh, d], T.cast(0, dtype))
-                        dOs[c, d] = T.if_then_else(live, DO[qi, hh, d], T.cast(0, dtype))
-                    for c in T.Parallel(cols):
-                        e = step * queries + c // head_tile
-                        h = c % head_tile
-                        live = (e < n_entries) & (h < group_heads)
-                        qi = EQ[lo + T.min(e, n_entries - 1)]
-                        hh = h0 + T.min(h, group_heads - 1)
-                        lse2[c] = T.if_then_else(live, LSE[hh, qi] * LOG2E, INF)
-                        delta[c] = T.if_then_else(live, DELTA[hh, qi], 0)
-                        qlim[c] = T.if_then_else(live, QLIM[qi], -1)
-                    T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
-                    T.gemm(Vs, dOs, dP, transpose_B=True, clear_accum=True)
-                    for k, c in T.Parallel(TILE_KEYS, cols):
-                        ok = (k < block_size) & (row0 + k <= qlim[c])
-                        p = T.if_then_else(ok, T.exp2(S[k, c] * scale_log2 - lse2[c]), 0)
-                        P[k, c] = T.cast(p, dtype)
-                        dS[k, c] = T.cast(T.if_then_else(ok, p * (dP[k, c] - delta[c]), 0), dtype)
-                    T.copy(P, Ps)
-                    T.copy(dS, dSs)
-                    T.gemm(Ps, dOs, dV)
-                    T.gemm(dSs, Qs, dK)
-                for k, d in T.Parallel(TILE_KEYS, dim):
-                    if (k < block_size) & (row0 + k < kend):
-                        DK[row0 + k, bg, d] = T.cast(dK[k, d] * scale, dtype)
-                        DV[row0 + k, bg, d] = T.cast(dV[k, d], dtype)
+                if tx < threads:
+                    if min_blocks == 2:
+                        T.dec_max_nreg(PRODUCER_REGS)
+                    if tx < 32:  # warp 0 alone (see the forward)
+                        for step in T.serial(T.ceildiv(n_entries, queries)):
+                            _load_entries(Q, DO, LSE, DELTA, QLIM, EQ, Qs, dOs, lse2, delta, qlim, full, empty, step, lo, n_entries,
+                                          h0, bg, tx, group_heads, queries, head_tile, num_stages, dim)
+                else:
+                    if min_blocks == 2:
+                        T.inc_max_nreg(CONSUMER_REGS)
+                    kend = KEND[EQ[lo]]
+                    for k, d in T.Parallel(TILE_KEYS, dim):
+                        ok = (k < block_size) & (row0 + k < kend)
+                        row = T.if_then_else(ok, row0 + k, 0)
+                        Ks[k, d] = T.if_then_else(ok, K[row, bg, d], T.cast(0, dtype))
+                        Vs[k, d] = T.if_then_else(ok, V[row, bg, d], T.cast(0, dtype))
+                    T.fence_proxy_async()
+                    T.sync_threads(CONSUMER_BARRIER, threads)
+                    fence()
+                    T.fill(dK, 0)
+                    T.fill(dV, 0)
+                    for step in T.serial(T.ceildiv(n_entries, queries)):
+                        _dkv_step(Ks, Vs, Qs, dOs, Ps, dSs, lse2, delta, qlim, full, empty, S, dP, P, dS, dK, dV, step, row0,
+                                  block_size, group_heads, scale_log2, num_stages, cols, head_tile, dim, threads, dtype)
+                    for k, d in T.Parallel(TILE_KEYS, dim):
+                        if (k < block_size) & (row0 + k < kend):
+                            DK[row0 + k, bg, d] = T.cast(dK[k, d] * scale, dtype)
+                            DV[row0 + k, bg, d] = T.cast(dV[k, d], dtype)
 
     return main

@@ -10,11 +10,18 @@ from mate._hopper import MAX_GROUP, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RES
 from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, TILE_KEYS
 
 
-def _fits(t, smem: int, regs: int) -> str | None:
-    """Whether min_blocks CTAs of `smem` bytes and `regs` registers per thread (beside SPARE_REGS) share an SM."""
+# At 2 CTAs per SM the dk/dv program's producer warpgroup lowers its registers to PRODUCER_REGS and the
+# consumer raises its own to CONSUMER_REGS (setmaxnreg): per SM 2 x 128 x (40 + 216) = all 65536.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 216
+
+
+def _fits(t, smem: int, regs: int, cta_threads: int, cap: int | None = None) -> str | None:
+    """Whether min_blocks CTAs of `smem` bytes and `cta_threads` threads of `regs` registers (beside SPARE_REGS)
+    share an SM; `cap`: the registers a thread may hold, when the program sets them itself."""
     if t["min_blocks"] * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
         return f"{t['min_blocks']} CTAs of {smem} B shared memory do not fit in one SM"
-    cap = min(MAX_REGS, REGS_PER_SM // (t["threads"] * t["min_blocks"]))
+    cap = cap or min(MAX_REGS, REGS_PER_SM // (cta_threads * t["min_blocks"]))
     if regs + SPARE_REGS > cap:
         return f"{t['min_blocks']} CTAs per SM cap registers at {cap} per thread, below {regs} + {SPARE_REGS}"
     return None
@@ -32,37 +39,43 @@ def _dq_limits(spec, t):
     why = _common(t)
     if why:
         return why
-    d, ht, es = spec["dim"], t["head_tile"], itemsize(spec["dtype"])
-    # Q and dO, the K and V tile, dS (input dtype); per head the LSE (log2) and delta, and the delta
-    # reduction's scratch (FP32); the compacted block list and its count.
-    smem = es * (2 * ht * d + 2 * TILE_KEYS * d + TILE_KEYS * ht) + 4 * (2 * ht + t["threads"]) + MAX_SLOTS * 4 + 4
-    # dq^T, S, dP (FP32), dS (16-bit), the O.dO products of the delta pre-pass (FP32)
+    d, ht, ns, es = spec["dim"], t["head_tile"], t["num_stages"], itemsize(spec["dtype"])
+    # Q and dO, the K and V rings, dS (input dtype); per head the LSE (log2) and delta, and the delta
+    # reduction's scratch (FP32); static: the compacted block list, its count and four mbarriers per stage.
+    smem = es * (2 * ht * d + ns * 2 * TILE_KEYS * d + TILE_KEYS * ht) + 4 * (2 * ht + t["threads"]) + MAX_SLOTS * 4 + 4 + 4 * ns * 8
+    # dq^T, S, dP (FP32), dS (16-bit), the O.dO products of the delta pre-pass (FP32); a producer warpgroup
+    # runs beside the consumer.
     regs = (d * ht + 2 * TILE_KEYS * ht + ht * d) // t["threads"] + TILE_KEYS * ht // 2 // t["threads"]
-    return _fits(t, smem, regs)
+    return _fits(t, smem, regs, 2 * t["threads"])
 
 
 def _dkv_limits(spec, t):
     why = _common(t)
     if why:
         return why
-    d, cols, es = spec["dim"], t["head_tile"] * t["queries"], itemsize(spec["dtype"])
-    # The K and V tile, Q and dO of `queries` entries, P and dS (input dtype); per column the LSE (log2),
-    # delta and the query's last visible key row.
-    smem = es * (2 * TILE_KEYS * d + 2 * cols * d + 2 * TILE_KEYS * cols) + 12 * cols
-    # dK, dV, S, dP (FP32), P and dS (16-bit)
+    d, cols, ns, es = spec["dim"], t["head_tile"] * t["queries"], t["num_stages"], itemsize(spec["dtype"])
+    if cols % 32:
+        return "the producer warp's lanes take a step's head_tile x queries columns 32 at a time"
+    # The K and V tile, a ring of Q and dO of `queries` entries, P and dS (input dtype); per stage and
+    # column the LSE (log2), delta and the query's last visible key row; two mbarriers per stage.
+    smem = es * (2 * TILE_KEYS * d + ns * 2 * cols * d + 2 * TILE_KEYS * cols) + ns * 12 * cols + ns * 2 * 8
+    # dK, dV, S, dP (FP32), P and dS (16-bit), in the consumer; a producer warpgroup beside it, which at
+    # 2 CTAs per SM gives it registers.
     regs = (2 * TILE_KEYS * d + 2 * TILE_KEYS * cols) // t["threads"] + TILE_KEYS * cols // t["threads"]
-    return _fits(t, smem, regs)
+    return _fits(t, smem, regs, 2 * t["threads"], CONSUMER_REGS if t["min_blocks"] == 2 else None)
 
 
 DQ = Stage(
     "nsa_selection_bwd_dq", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dq",
-    space=dict(head_tile=(MAX_GROUP,), threads=(128,), min_blocks=(1, 2, 3, 4, 5)),
+    space=dict(head_tile=(MAX_GROUP,), threads=(128,), num_stages=(1, 2, 3), min_blocks=(1, 2, 3, 4, 5)),
     keys=("dtype", "dim", "block_size"),
     limits=_dq_limits,
+    pass_configs="PASS_CONFIGS",
 )
 DKV = Stage(
     "nsa_selection_bwd_dkv", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dkv",
-    space=dict(head_tile=(MAX_GROUP,), threads=(128,), queries=(1, 2, 4), min_blocks=(1, 2, 3)),
+    space=dict(head_tile=(MAX_GROUP,), threads=(128,), queries=(2, 4), num_stages=(1, 2, 3, 4), min_blocks=(1, 2)),
     keys=("dtype", "dim", "block_size"),
     limits=_dkv_limits,
+    pass_configs="PASS_CONFIGS",
 )
