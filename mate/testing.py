@@ -8,7 +8,8 @@ The timing (`median_ms`, `graph_ms`, `capture_graph`) and run metadata (`environ
 one measurement for the tuner and the benchmarks, so a tuned time and a benchmarked time
 agree; `using_tiles` runs the dispatcher with candidate tiles, `program_variants` with
 another version of a stage's program source (the A/B benchmarks), `shipped_tiles` reads
-an entry of the config; `nsa_backward_parts` splits NSA's backward for a profile. Importing
+an entry of the config; `nsa_backward_parts` splits NSA's backward for a profile. The
+tuner's workloads (`<stage>_workload`) are here, named by the stages' cards. Importing
 this module loads no TileLang.
 """
 
@@ -31,6 +32,7 @@ import yaml
 
 import mate
 from mate import _dispatch
+from mate.qsa.kernels import mqa_card, sparse_card
 
 I32 = torch.int32
 BF16 = torch.bfloat16
@@ -304,6 +306,81 @@ def qsa_serving_problem(gen, batch, rows_per_req):
     return dict(query=q, key=k, value=v, token_indices=ti.cuda(), block_table=table.to(torch.int32).cuda(),
                 cu_seqlens_q=cu.cuda(), seq_lens_k=seq.to(torch.int32).cuda(),
                 gate=torch.randn(rows, SERVING_HQ, generator=gen).to(torch.bfloat16).cuda()), bi.cuda()
+
+
+# ---------------------------------------------------------------- the tuner's workloads (CUDA)
+# Each stage's card names its workload here (mate._stage.Stage): (spec, shape) -> (native call, reference call[, pick]).
+
+
+def mqa_logits_workload(spec, shape):
+    """The last `rows` token positions of a request of 4 * keys tokens, each seeing its complete blocks."""
+    rows, keys = shape["rows"], shape["keys"]
+    keys += keys % 2 != (spec["even_keys"] == 0)  # the key count's parity picks the specialization: make it match
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(rows, mqa_card.HEADS, mqa_card.DIM, device="cuda").to(dt)
+    k = torch.randn(keys, mqa_card.DIM, device="cuda").to(dt)
+    pos = torch.arange(4 * keys - rows, 4 * keys, device="cuda")
+    lo = torch.zeros(rows, device="cuda", dtype=torch.int32)
+    hi = ((pos + 1) // 4).to(torch.int32)
+    return (lambda: mate.qsa_mqa_prefill(q, k, lo, hi), lambda: mate.qsa_mqa_prefill(q, k, lo, hi, backend="reference"))
+
+
+def mqa_decode_workload(spec, shape):
+    """`batch` requests of `keys` keys each, their pages in random order through one pool."""
+    batch, keys, page = shape["batch"], shape["keys"], spec["page_size"]
+    pages = keys // page
+    dt = getattr(torch, spec["dtype"])
+    cache = torch.randn(batch * pages, page, 1, mqa_card.DIM, device="cuda").to(dt)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, mqa_card.HEADS, mqa_card.DIM, device="cuda").to(dt)
+    ctx = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
+    return (lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys),
+            lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
+
+
+def gqa_fwd_workload(spec, shape):
+    """B 1, `seq` queries and keys, the key's window (`local`: the shape's window, default (4096, 0)), with the LSE."""
+    S, H, Hkv, d = shape["seq"], shape["heads"], shape["kv_heads"], spec["dim"]
+    window = {"none": None, "causal": (-1, 0), "local": tuple(shape.get("window", (4096, 0)))}[spec["window"]]
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(1, S, H, d, device="cuda").to(dt)
+    k = torch.randn(1, S, Hkv, d, device="cuda").to(dt)
+    v = torch.randn(1, S, Hkv, d, device="cuda").to(dt)
+    return (lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True),
+            lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference"))
+
+
+def qsa_attention_workload(spec, shape):
+    """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages.
+
+    The key's `wide` picks the grid size (two CTAs per SM or more, or fewer): the batch is scaled to match.
+    """
+    hq, hkv, d = sparse_card.CANONICAL_GEOMETRY
+    splits = 4 if spec["split"] else 1
+    batch = shape["batch"] if spec["wide"] else max(1, shape["batch"] // 16)
+    context, width, page = shape["context"], shape["width"], 64
+    dt = getattr(torch, spec["dtype"])
+    pages = context // page
+    k = torch.randn(batch * pages, page, hkv, d, device="cuda").to(dt)
+    v = torch.randn_like(k)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, hq, d, device="cuda").to(dt)
+    tokens = torch.randint(0, context, (batch, width), device="cuda", dtype=torch.int32)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=splits, return_lse=True)
+    return (lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw),
+            lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
+
+
+def qsa_merge_workload(spec, shape):
+    """`splits` partials of `rows` rows in the canonical QSA geometry."""
+    hq, _, d = sparse_card.CANONICAL_GEOMETRY
+    splits, rows = shape["splits"], shape["rows"]
+    po = torch.randn(splits, rows, hq, d, device="cuda").to(getattr(torch, spec["pdtype"]))
+    pl = torch.randn(splits, rows, hq, device="cuda")
+    odt = getattr(torch, spec["odtype"])
+    return (lambda: mate.merge_attention_states(po, pl, out_dtype=odt),
+            lambda: mate.merge_attention_states(po, pl, out_dtype=odt, backend="reference"))
 
 
 # ---------------------------------------------------------------- timing and run metadata (GPU)
