@@ -69,21 +69,21 @@ def nsa_indices(gen, B, M, G, T, N, block_size, device="cpu"):
     return idx.to(device)
 
 
-def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
+def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096, device="cuda"):
     """T distinct random causally visible blocks per (query, group), sorted, -1 where fewer exist (bottom-right aligned).
 
     `hot` draws from the first T blocks only, so every query reads the same blocks (a benchmark probe).
     """
     n_blocks = -(-N // bs)
-    idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
-    blocks = torch.arange(n_blocks, device="cuda")
+    idx = torch.empty(B, M, G, T, dtype=torch.int32, device=device)
+    blocks = torch.arange(n_blocks, device=device)
     for m0 in range(0, M, chunk):
         m1 = min(M, m0 + chunk)
-        pos = N - M + torch.arange(m0, m1, device="cuda")
+        pos = N - M + torch.arange(m0, m1, device=device)
         visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)
         if hot:
             visible &= blocks.view(1, -1) < T
-        r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
+        r = torch.rand(B, m1 - m0, G, n_blocks, device=device)
         r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
         val, sel = r.topk(min(T, n_blocks), dim=-1)
         sel = torch.where(val >= 0, sel, n_blocks + 1).sort(-1).values
@@ -94,22 +94,79 @@ def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
     return idx
 
 
+def _nsa_problem(spec, shape, device):
+    """q, k, v [1, seq, heads or kv_heads, dim] and random visible blocks of the tuner's NSA shapes."""
+    L, H, G, T, d = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"]
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(1, L, H, d, device=device).to(dt)
+    k = torch.randn(1, L, G, d, device=device).to(dt)
+    v = torch.randn(1, L, G, d, device=device).to(dt)
+    return q, k, v, draw_block_indices(1, L, L, G, T, spec["block_size"], device=device)
+
+
+# The NSA reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed shape
+# where a slice will do: the last rows, which keep their positions (bottom-right aligned) and select the
+# most blocks, and whose outputs and dq do not depend on the other rows.
+NSA_TAIL = 128
+
+
 def nsa_selection_workload(spec, shape):
     """The tuner's NSA selection workload (also nsa_ab's): spec (dtype, dim, block_size), shape (seq, heads,
     kv_heads, selected) -> (native call, reference call, pick), B 1, random visible blocks (CUDA)."""
-    L, H, G, T, d, bs = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"], spec["block_size"]
-    dt = getattr(torch, spec["dtype"])
-    q = torch.randn(1, L, H, d, device="cuda").to(dt)
-    k = torch.randn(1, L, G, d, device="cuda").to(dt)
-    v = torch.randn(1, L, G, d, device="cuda").to(dt)
-    idx = draw_block_indices(1, L, L, G, T, bs)
-    # The reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed
-    # shape: it checks the last rows, which keep their positions (bottom-right aligned) and select
-    # the most blocks.
-    tail = min(L, 128)
+    bs = spec["block_size"]
+    q, k, v, idx = _nsa_problem(spec, shape, "cuda")
+    tail = min(shape["seq"], NSA_TAIL)
     return (lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=bs),
             lambda: mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=bs, backend="reference"),
             lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
+
+
+def nsa_reference_grads(q, k, v, block_indices, do, *, block_size: int) -> tuple:
+    """dq, dk, dv of the reference backend: a forward and a backward through the public API, with grads."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o, _ = mate.nsa_selection_attention(q, k, v, block_indices, block_size=block_size, backend="reference")
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+def nsa_selection_bwd_dq_workload(spec, shape, device="cuda"):
+    """The dq step of NSA's native backward (the delta pre-pass and dq, one kernel), timed alone
+    (nsa_backward_parts), checked against the reference's dq of the last rows. dq is poisoned (NaN)
+    before each launch, so a candidate that skips an element is caught (a memset, under 1% of the step)."""
+    bs = spec["block_size"]
+    q, k, v, idx = _nsa_problem(spec, shape, device)
+    do = torch.randn(q.shape, device=device).to(q.dtype)
+    parts = nsa_backward_parts(q, k, v, idx, do, block_size=bs)
+    dq = parts.grads[0]
+    tail = min(shape["seq"], NSA_TAIL)
+
+    def native():
+        dq.fill_(float("nan"))
+        parts.dq()
+        return dq
+
+    return (native, lambda: nsa_reference_grads(q[:, -tail:], k, v, idx[:, -tail:], do[:, -tail:], block_size=bs)[0],
+            lambda out: out[:, -tail:])
+
+
+def nsa_selection_bwd_dkv_workload(spec, shape, device="cuda"):
+    """The dk/dv step of NSA's native backward, timed alone (nsa_backward_parts; the dq step runs once
+    before, for the delta it reads), checked against the reference's dk and dv of the whole problem (every
+    query row contributes). dk and dv are zeroed before each launch (rows no block covers stay the
+    caller's zeros), so a candidate that skips a block is caught."""
+    bs = spec["block_size"]
+    q, k, v, idx = _nsa_problem(spec, shape, device)
+    do = torch.randn(q.shape, device=device).to(q.dtype)
+    parts = nsa_backward_parts(q, k, v, idx, do, block_size=bs)
+    dk, dv = parts.grads[1:]
+    parts.dq()
+
+    def native():
+        dk.zero_()
+        dv.zero_()
+        parts.dkv()
+        return dk, dv
+
+    return native, lambda: nsa_reference_grads(q, k, v, idx, do, block_size=bs)[1:]
 
 
 class NsaBackwardParts(NamedTuple):

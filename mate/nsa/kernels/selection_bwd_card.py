@@ -7,7 +7,7 @@ the same numbers.
 
 from mate._stage import Stage
 from mate._hopper import MAX_GROUP, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize
-from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, TILE_KEYS
+from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, STAGE, TILE_KEYS
 
 
 def _fits(t, smem: int, regs: int) -> str | None:
@@ -59,10 +59,16 @@ DQ = Stage(
     space=dict(head_tile=(MAX_GROUP,), threads=(128,), min_blocks=(1, 2, 3, 4, 5)),
     keys=("dtype", "dim", "block_size"),
     limits=_dq_limits,
+    shapes=STAGE.shapes,  # the forward's
+    workload="nsa_selection_bwd_dq_workload",
+    tol=1e-2,
 )
 DKV = Stage(
     "nsa_selection_bwd_dkv", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dkv",
     space=dict(head_tile=(MAX_GROUP,), threads=(128,), queries=(1, 2, 4), min_blocks=(1, 2, 3)),
     keys=("dtype", "dim", "block_size"),
     limits=_dkv_limits,
+    shapes=STAGE.shapes,
+    workload="nsa_selection_bwd_dkv_workload",
+    tol=1e-2,
 )
