@@ -572,9 +572,9 @@ def program_variants(stage: str, sources: dict):
     the public API runs that version: the dispatcher builds the program from its file with the
     config's tiles and the card's pass options, compiles it at its first call and keeps each
     version's compiled kernels apart, so switching back costs nothing (interleaved timing).
-    Only the kernels the dispatcher caches switch (`_dispatch.kernel`: each entrypoint's default
-    path; GQA's option variants, varlen, sinks and softcap, keep their own cache); the API still
-    reads flags and constants from the shipped module. Change tiles around this, not inside.
+    Every kernel the dispatcher compiles for the stage switches (`_dispatch.kernel`, GQA's option
+    variants, varlen, sinks and softcap, included: a version's program takes those arguments too);
+    the API still reads flags and constants from the shipped module. Change tiles around this, not inside.
     On exit the shipped card and the kernels compiled before are back.
     """
     shipped = _dispatch.STAGES[stage]
