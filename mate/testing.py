@@ -128,14 +128,24 @@ def nsa_reference_grads(q, k, v, block_indices, do, *, block_size: int) -> tuple
     return torch.autograd.grad(o, (q, k, v), do)
 
 
+def _nsa_backward_problem(spec, shape, device):
+    """The tuner's NSA problem with an output gradient: its native backward split into steps, and
+    `reference(rows)`, the reference backend's gradients of the problem cut to those query rows."""
+    q, k, v, idx = _nsa_problem(spec, shape, device)
+    do = torch.randn(q.shape, device=device).to(q.dtype)
+    parts = nsa_backward_parts(q, k, v, idx, do, block_size=spec["block_size"])
+
+    def reference(rows=slice(None)):
+        return nsa_reference_grads(q[:, rows], k, v, idx[:, rows], do[:, rows], block_size=spec["block_size"])
+
+    return parts, reference
+
+
 def nsa_selection_bwd_dq_workload(spec, shape, device="cuda"):
     """The dq step of NSA's native backward (the delta pre-pass and dq, one kernel), timed alone
     (nsa_backward_parts), checked against the reference's dq of the last rows. dq is poisoned (NaN)
     before each launch, so a candidate that skips an element is caught (a memset, under 1% of the step)."""
-    bs = spec["block_size"]
-    q, k, v, idx = _nsa_problem(spec, shape, device)
-    do = torch.randn(q.shape, device=device).to(q.dtype)
-    parts = nsa_backward_parts(q, k, v, idx, do, block_size=bs)
+    parts, reference = _nsa_backward_problem(spec, shape, device)
     dq = parts.grads[0]
     tail = min(shape["seq"], NSA_TAIL)
 
@@ -144,8 +154,7 @@ def nsa_selection_bwd_dq_workload(spec, shape, device="cuda"):
         parts.dq()
         return dq
 
-    return (native, lambda: nsa_reference_grads(q[:, -tail:], k, v, idx[:, -tail:], do[:, -tail:], block_size=bs)[0],
-            lambda out: out[:, -tail:])
+    return native, lambda: reference(slice(-tail, None))[0], lambda out: out[:, -tail:]
 
 
 def nsa_selection_bwd_dkv_workload(spec, shape, device="cuda"):
@@ -153,10 +162,7 @@ def nsa_selection_bwd_dkv_workload(spec, shape, device="cuda"):
     before, for the delta it reads), checked against the reference's dk and dv of the whole problem (every
     query row contributes). dk and dv are zeroed before each launch (rows no block covers stay the
     caller's zeros), so a candidate that skips a block is caught."""
-    bs = spec["block_size"]
-    q, k, v, idx = _nsa_problem(spec, shape, device)
-    do = torch.randn(q.shape, device=device).to(q.dtype)
-    parts = nsa_backward_parts(q, k, v, idx, do, block_size=bs)
+    parts, reference = _nsa_backward_problem(spec, shape, device)
     dk, dv = parts.grads[1:]
     parts.dq()
 
@@ -166,7 +172,7 @@ def nsa_selection_bwd_dkv_workload(spec, shape, device="cuda"):
         parts.dkv()
         return dk, dv
 
-    return native, lambda: nsa_reference_grads(q, k, v, idx, do, block_size=bs)[1:]
+    return native, lambda: reference()[1:]
 
 
 class NsaBackwardParts(NamedTuple):
