@@ -144,7 +144,8 @@ def _nsa_backward_problem(spec, shape, device):
 def nsa_selection_bwd_dq_workload(spec, shape, device="cuda"):
     """The dq step of NSA's native backward (the delta pre-pass and dq, one kernel), timed alone
     (nsa_backward_parts), checked against the reference's dq of the last rows. dq is poisoned (NaN)
-    before each launch, so a candidate that skips an element is caught (a memset, under 1% of the step)."""
+    before each launch, so a candidate that skips an element is caught (the memset is timed with the step,
+    the same for every candidate)."""
     parts, reference = _nsa_backward_problem(spec, shape, device)
     dq = parts.grads[0]
     tail = min(shape["seq"], NSA_TAIL)
