@@ -18,6 +18,9 @@ nothing; under torch.compile the wrapper allocates the buffers the caller did
 not pass, as the entrypoint would, and returns them. tests/test_torch_ops.py
 pins the schemas.
 
+`trainable` adds, from the same signature, the functional op and its registered backward that
+autograd takes under torch.compile when the inputs require grad (NSA selection's training).
+
 `build_gqa_attn` builds its launcher eagerly (checking the geometry then); the
 launch it returns becomes the `mate::gqa_launch` op under torch.compile.
 """
@@ -172,64 +175,89 @@ def _out_or_both(a, out, lse):
     return (out, lse) if a["return_lse"] else out
 
 
-_nsa_selection_attention = register(
-    "nsa_selection_attention", selection.nsa_selection_attention,
-    buffers={"out": _out_like("q"), "lse": _lse("q", lambda s: (s[1], s[0]) if len(s) == 3 else (s[0], s[2], s[1]))},
-    returns=_out_lse,
+# lse: [H, T_total] for packed sequences (q [T_total, H, D]), else [B, H, M]
+_NSA_BUFFERS = {"out": _out_like("q"), "lse": _lse("q", lambda s: (s[1], s[0]) if len(s) == 3 else (s[0], s[2], s[1]))}
+_nsa_selection_attention = register("nsa_selection_attention", selection.nsa_selection_attention, buffers=_NSA_BUFFERS,
+                                    returns=_out_lse)
+
+
+def trainable(name, public, forward, backward, *, grads, buffers, outputs):
+    """`public` (what register made of an entrypoint with buffers) with the route autograd takes under
+    torch.compile when one of `grads` requires grad (then the entrypoint refuses the `buffers`).
+
+    Autograd does not differentiate ops that write their arguments, so that route is a functional op
+    `mate::<name>_train`, whose parameters are the entrypoint's less the buffers (no defaults) and whose
+    `forward(**args)` returns `outputs`, with its backward registered: the op `mate::<name>_backward`
+    of the first output's gradient `do`, the `grads` inputs, the `outputs`, then the other parameters,
+    whose `backward(**args)` returns the gradients of `grads`. Only the first output is differentiable.
+    `buffers` are register's: {name: allocate(args)}, which give the outputs' fake shapes too. Both ops
+    are generated from the entrypoint's signature, so a new keyword needs no edit here (forward and
+    backward take it by name).
+    """
+    entrypoint = public.__wrapped__
+    sig = inspect.signature(entrypoint, eval_str=True)
+    P = inspect.Parameter
+    names = [n for n in sig.parameters if n not in buffers]
+    annotation = {n: sig.parameters[n].annotation for n in names}
+    tensors = [n for n in names if _is_tensor(annotation[n])]
+    rest = [n for n in names if n not in grads]
+
+    def params(order, types):
+        return [P(n, P.POSITIONAL_OR_KEYWORD, annotation=types[n]) for n in order]
+
+    fwd_sig = inspect.Signature(params(names, annotation), return_annotation=tuple[(Tensor,) * len(outputs)])
+    bwd_types = {"do": Tensor, **annotation, **dict.fromkeys(outputs, Tensor)}
+    bwd_sig = inspect.Signature(params(["do", *grads, *outputs, *rest], bwd_types), return_annotation=tuple[(Tensor,) * len(grads)])
+
+    def train_impl(*args, **kwargs):
+        return forward(**_bind(fwd_sig, args, kwargs))
+
+    def train_fake(*args, **kwargs):
+        a = _bind(fwd_sig, args, kwargs)
+        return tuple(alloc(a) for alloc in buffers.values())
+
+    def backward_impl(*args, **kwargs):
+        return backward(**_bind(bwd_sig, args, kwargs))
+
+    def backward_fake(*args, **kwargs):
+        a = _bind(bwd_sig, args, kwargs)
+        return tuple(torch.empty_like(a[n]) for n in grads)
+
+    train_impl.__signature__, backward_impl.__signature__ = fwd_sig, bwd_sig
+    train_op = torch.library.custom_op(f"mate::{name}_train", train_impl, mutates_args=())
+    train_op.register_fake(train_fake)
+    backward_op = torch.library.custom_op(f"mate::{name}_backward", backward_impl, mutates_args=())
+    backward_op.register_fake(backward_fake)
+
+    def setup(ctx, inputs, output):
+        a = dict(zip(names, inputs))
+        ctx.save_for_backward(*(a[n] for n in tensors), *output)
+        ctx.others = {n: a[n] for n in names if n not in tensors}
+        ctx.mark_non_differentiable(*output[1:])
+
+    def grad(ctx, do, *_):
+        a = {**dict(zip([*tensors, *outputs], ctx.saved_tensors)), **ctx.others, "do": do.contiguous()}
+        g = dict(zip(grads, backward_op(*(a[n] for n in bwd_sig.parameters))))
+        return tuple(g.get(n) for n in names)
+
+    train_op.register_autograd(grad, setup_context=setup)
+
+    @functools.wraps(entrypoint)
+    def entry(*args, **kwargs):
+        if _compiling():
+            a = _bind(sig, args, kwargs)
+            if torch.is_grad_enabled() and any(isinstance(a[n], Tensor) and a[n].requires_grad for n in grads) and \
+                    all(a[b] is None for b in buffers):
+                return train_op(*(a[n] for n in names))
+        return public(*args, **kwargs)
+
+    return entry
+
+
+nsa_selection_attention = trainable(
+    "nsa_selection_attention", _nsa_selection_attention, selection.training_forward, selection.training_backward,
+    grads=("q", "k", "v"), buffers=_NSA_BUFFERS, outputs=("o", "lse"),
 )
-
-
-# Training under torch.compile: a functional op (autograd does not differentiate ops that write their
-# arguments) with its backward registered, taken when q, k or v require grad (then out and lse are refused).
-@torch.library.custom_op("mate::nsa_selection_attention_train", mutates_args=())
-def _nsa_train(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, block_counts: Tensor | None,
-               cu_seqlens: Tensor | None, scale: float | None, backend: str) -> tuple[Tensor, Tensor]:
-    return selection.training_forward(q, k, v, block_indices, block_size, block_counts, cu_seqlens, scale, backend)
-
-
-@_nsa_train.register_fake
-def _(q, k, v, block_indices, block_size, block_counts, cu_seqlens, scale, backend):
-    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("mate::nsa_selection_attention_backward", mutates_args=())
-def _nsa_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor, block_size: int,
-                  block_counts: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return selection.training_backward(do, q, k, v, o, lse, block_indices, block_size, block_counts, cu_seqlens, scale, backend)
-
-
-@_nsa_backward.register_fake
-def _(do, q, k, v, o, lse, block_indices, block_size, block_counts, cu_seqlens, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _nsa_setup(ctx, inputs, output):
-    q, k, v, block_indices, ctx.block_size, block_counts, cu_seqlens, ctx.scale, ctx.backend = inputs
-    ctx.save_for_backward(q, k, v, *output, block_indices, block_counts, cu_seqlens)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _nsa_grad(ctx, do, _dlse):
-    q, k, v, o, lse, block_indices, block_counts, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _nsa_backward(do.contiguous(), q, k, v, o, lse, block_indices, ctx.block_size, block_counts, cu_seqlens, ctx.scale,
-                               ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_nsa_train.register_autograd(_nsa_grad, setup_context=_nsa_setup)
-_NSA_SIG = inspect.signature(selection.nsa_selection_attention)
-
-
-@functools.wraps(selection.nsa_selection_attention)
-def nsa_selection_attention(*args, **kwargs):
-    if _compiling():
-        a = _bind(_NSA_SIG, args, kwargs)
-        grad = torch.is_grad_enabled() and any(isinstance(a[n], Tensor) and a[n].requires_grad for n in ("q", "k", "v"))
-        if grad and a["out"] is None and a["lse"] is None:
-            return _nsa_train(a["q"], a["k"], a["v"], a["block_indices"], a["block_size"], a["block_counts"], a["cu_seqlens"],
-                              a["scale"], a["backend"])
-    return _nsa_selection_attention(*args, **kwargs)
 
 
 # gqa_attention takes no lse buffer: the op copies the one it returns into its own ([B, H, Sq], varlen [H, total_q]).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -23,6 +23,14 @@ class Stage:
     the config key, whose names are `keys`, and `tiles` the entry's values, one of each of
     `space`'s parameters. `pass_configs` names the module's tuple of TileLang pass options
     the program needs to compile as written.
+
+    mate-tune times a candidate on the card's `shapes` with its `workload`, named, like the
+    program, so that the card imports neither it nor torch: a function of mate.testing (where the
+    tests and benchmarks find it too), `(spec, shape) -> (native call, reference call[, pick])`. The
+    calls return a tensor or a tuple of tensors; `pick`, where given, maps the native outputs
+    to the part the reference computes (a reference too slow for the whole timed shape checks
+    a slice of it). `tol` is the largest relative error (L2 norm over the finite values) of
+    each output against the reference.
     """
 
     name: str
@@ -36,6 +44,10 @@ class Stage:
     # program's own shape rules), or None when legal
     limits: Callable[[dict, dict], str | None]
     pass_configs: str | None = None
+    # preset (`quick`, `full`) -> problem shapes, each a dict that the workload understands
+    shapes: dict[str, list[dict]] = field(default_factory=dict)
+    workload: str | None = None
+    tol: float | None = None
 
     @property
     def params(self) -> tuple[str, ...]:

@@ -8,7 +8,8 @@ The timing (`median_ms`, `graph_ms`, `capture_graph`) and run metadata (`environ
 one measurement for the tuner and the benchmarks, so a tuned time and a benchmarked time
 agree; `using_tiles` runs the dispatcher with candidate tiles, `program_variants` with
 another version of a stage's program source (the A/B benchmarks), `shipped_tiles` reads
-an entry of the config; `nsa_backward_parts` splits NSA's backward for a profile. Importing
+an entry of the config; `nsa_backward_parts` splits NSA's backward for a profile. The
+tuner's workloads (`<stage>_workload`) are here, named by the stages' cards. Importing
 this module loads no TileLang.
 """
 
@@ -31,6 +32,7 @@ import yaml
 
 import mate
 from mate import _dispatch
+from mate.qsa.kernels import mqa_card, sparse_card
 
 I32 = torch.int32
 BF16 = torch.bfloat16
@@ -67,21 +69,21 @@ def nsa_indices(gen, B, M, G, T, N, block_size, device="cpu"):
     return idx.to(device)
 
 
-def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
+def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096, device="cuda"):
     """T distinct random causally visible blocks per (query, group), sorted, -1 where fewer exist (bottom-right aligned).
 
     `hot` draws from the first T blocks only, so every query reads the same blocks (a benchmark probe).
     """
     n_blocks = -(-N // bs)
-    idx = torch.empty(B, M, G, T, dtype=torch.int32, device="cuda")
-    blocks = torch.arange(n_blocks, device="cuda")
+    idx = torch.empty(B, M, G, T, dtype=torch.int32, device=device)
+    blocks = torch.arange(n_blocks, device=device)
     for m0 in range(0, M, chunk):
         m1 = min(M, m0 + chunk)
-        pos = N - M + torch.arange(m0, m1, device="cuda")
+        pos = N - M + torch.arange(m0, m1, device=device)
         visible = blocks.view(1, -1) <= (pos // bs).view(-1, 1)
         if hot:
             visible &= blocks.view(1, -1) < T
-        r = torch.rand(B, m1 - m0, G, n_blocks, device="cuda")
+        r = torch.rand(B, m1 - m0, G, n_blocks, device=device)
         r = torch.where(visible.view(1, m1 - m0, 1, n_blocks), r, -1.0)
         val, sel = r.topk(min(T, n_blocks), dim=-1)
         sel = torch.where(val >= 0, sel, n_blocks + 1).sort(-1).values
@@ -92,22 +94,86 @@ def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096):
     return idx
 
 
+def _nsa_problem(spec, shape, device):
+    """q, k, v [1, seq, heads or kv_heads, dim] and random visible blocks of the tuner's NSA shapes."""
+    L, H, G, T, d = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"]
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(1, L, H, d, device=device).to(dt)
+    k = torch.randn(1, L, G, d, device=device).to(dt)
+    v = torch.randn(1, L, G, d, device=device).to(dt)
+    return q, k, v, draw_block_indices(1, L, L, G, T, spec["block_size"], device=device)
+
+
+# The NSA reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed shape
+# where a slice will do: the last rows, which keep their positions (bottom-right aligned) and select the
+# most blocks, and whose outputs and dq do not depend on the other rows.
+NSA_TAIL = 128
+
+
 def nsa_selection_workload(spec, shape):
     """The tuner's NSA selection workload (also nsa_ab's): spec (dtype, dim, block_size), shape (seq, heads,
     kv_heads, selected) -> (native call, reference call, pick), B 1, random visible blocks (CUDA)."""
-    L, H, G, T, d, bs = shape["seq"], shape["heads"], shape["kv_heads"], shape["selected"], spec["dim"], spec["block_size"]
-    dt = getattr(torch, spec["dtype"])
-    q = torch.randn(1, L, H, d, device="cuda").to(dt)
-    k = torch.randn(1, L, G, d, device="cuda").to(dt)
-    v = torch.randn(1, L, G, d, device="cuda").to(dt)
-    idx = draw_block_indices(1, L, L, G, T, bs)
-    # The reference is dense over the keys (M x N x H scores in FP32), too slow for the whole timed
-    # shape: it checks the last rows, which keep their positions (bottom-right aligned) and select
-    # the most blocks.
-    tail = min(L, 128)
+    bs = spec["block_size"]
+    q, k, v, idx = _nsa_problem(spec, shape, "cuda")
+    tail = min(shape["seq"], NSA_TAIL)
     return (lambda: mate.nsa_selection_attention(q, k, v, idx, block_size=bs),
             lambda: mate.nsa_selection_attention(q[:, -tail:], k, v, idx[:, -tail:], block_size=bs, backend="reference"),
             lambda out: (out[0][:, -tail:], out[1][:, :, -tail:]))
+
+
+def nsa_reference_grads(q, k, v, block_indices, do, *, block_size: int) -> tuple:
+    """dq, dk, dv of the reference backend: a forward and a backward through the public API, with grads."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o, _ = mate.nsa_selection_attention(q, k, v, block_indices, block_size=block_size, backend="reference")
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+def _nsa_backward_problem(spec, shape, device):
+    """The tuner's NSA problem with an output gradient: its native backward split into steps, and
+    `reference(rows)`, the reference backend's gradients of the problem cut to those query rows."""
+    q, k, v, idx = _nsa_problem(spec, shape, device)
+    do = torch.randn(q.shape, device=device).to(q.dtype)
+    parts = nsa_backward_parts(q, k, v, idx, do, block_size=spec["block_size"])
+
+    def reference(rows=slice(None)):
+        return nsa_reference_grads(q[:, rows], k, v, idx[:, rows], do[:, rows], block_size=spec["block_size"])
+
+    return parts, reference
+
+
+def nsa_selection_bwd_dq_workload(spec, shape, device="cuda"):
+    """The dq step of NSA's native backward (the delta pre-pass and dq, one kernel), timed alone
+    (nsa_backward_parts), checked against the reference's dq of the last rows. dq is poisoned (NaN)
+    before each launch, so a candidate that skips an element is caught (the memset is timed with the step,
+    the same for every candidate)."""
+    parts, reference = _nsa_backward_problem(spec, shape, device)
+    dq = parts.grads[0]
+    tail = min(shape["seq"], NSA_TAIL)
+
+    def native():
+        dq.fill_(float("nan"))
+        parts.dq()
+        return dq
+
+    return native, lambda: reference(slice(-tail, None))[0], lambda out: out[:, -tail:]
+
+
+def nsa_selection_bwd_dkv_workload(spec, shape, device="cuda"):
+    """The dk/dv step of NSA's native backward, timed alone (nsa_backward_parts; the dq step runs once
+    before, for the delta it reads), checked against the reference's dk and dv of the whole problem (every
+    query row contributes). dk and dv are zeroed before each launch (rows no block covers stay the
+    caller's zeros), so a candidate that skips a block is caught."""
+    parts, reference = _nsa_backward_problem(spec, shape, device)
+    dk, dv = parts.grads[1:]
+    parts.dq()
+
+    def native():
+        dk.zero_()
+        dv.zero_()
+        parts.dkv()
+        return dk, dv
+
+    return native, lambda: reference()[1:]
 
 
 class NsaBackwardParts(NamedTuple):
@@ -306,6 +372,81 @@ def qsa_serving_problem(gen, batch, rows_per_req):
                 gate=torch.randn(rows, SERVING_HQ, generator=gen).to(torch.bfloat16).cuda()), bi.cuda()
 
 
+# ---------------------------------------------------------------- the tuner's workloads (CUDA)
+# Each stage's card names its workload here (mate._stage.Stage): (spec, shape) -> (native call, reference call[, pick]).
+
+
+def mqa_logits_workload(spec, shape):
+    """The last `rows` token positions of a request of 4 * keys tokens, each seeing its complete blocks."""
+    rows, keys = shape["rows"], shape["keys"]
+    keys += keys % 2 != (spec["even_keys"] == 0)  # the key count's parity picks the specialization: make it match
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(rows, mqa_card.HEADS, mqa_card.DIM, device="cuda").to(dt)
+    k = torch.randn(keys, mqa_card.DIM, device="cuda").to(dt)
+    pos = torch.arange(4 * keys - rows, 4 * keys, device="cuda")
+    lo = torch.zeros(rows, device="cuda", dtype=torch.int32)
+    hi = ((pos + 1) // 4).to(torch.int32)
+    return (lambda: mate.qsa_mqa_prefill(q, k, lo, hi), lambda: mate.qsa_mqa_prefill(q, k, lo, hi, backend="reference"))
+
+
+def mqa_decode_workload(spec, shape):
+    """`batch` requests of `keys` keys each, their pages in random order through one pool."""
+    batch, keys, page = shape["batch"], shape["keys"], spec["page_size"]
+    pages = keys // page
+    dt = getattr(torch, spec["dtype"])
+    cache = torch.randn(batch * pages, page, 1, mqa_card.DIM, device="cuda").to(dt)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, mqa_card.HEADS, mqa_card.DIM, device="cuda").to(dt)
+    ctx = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
+    return (lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys),
+            lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
+
+
+def gqa_fwd_workload(spec, shape):
+    """B 1, `seq` queries and keys, the key's window (`local`: the shape's window, default (4096, 0)), with the LSE."""
+    S, H, Hkv, d = shape["seq"], shape["heads"], shape["kv_heads"], spec["dim"]
+    window = {"none": None, "causal": (-1, 0), "local": tuple(shape.get("window", (4096, 0)))}[spec["window"]]
+    dt = getattr(torch, spec["dtype"])
+    q = torch.randn(1, S, H, d, device="cuda").to(dt)
+    k = torch.randn(1, S, Hkv, d, device="cuda").to(dt)
+    v = torch.randn(1, S, Hkv, d, device="cuda").to(dt)
+    return (lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True),
+            lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference"))
+
+
+def qsa_attention_workload(spec, shape):
+    """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages.
+
+    The key's `wide` picks the grid size (two CTAs per SM or more, or fewer): the batch is scaled to match.
+    """
+    hq, hkv, d = sparse_card.CANONICAL_GEOMETRY
+    splits = 4 if spec["split"] else 1
+    batch = shape["batch"] if spec["wide"] else max(1, shape["batch"] // 16)
+    context, width, page = shape["context"], shape["width"], 64
+    dt = getattr(torch, spec["dtype"])
+    pages = context // page
+    k = torch.randn(batch * pages, page, hkv, d, device="cuda").to(dt)
+    v = torch.randn_like(k)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, hq, d, device="cuda").to(dt)
+    tokens = torch.randint(0, context, (batch, width), device="cuda", dtype=torch.int32)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=splits, return_lse=True)
+    return (lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw),
+            lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
+
+
+def qsa_merge_workload(spec, shape):
+    """`splits` partials of `rows` rows in the canonical QSA geometry."""
+    hq, _, d = sparse_card.CANONICAL_GEOMETRY
+    splits, rows = shape["splits"], shape["rows"]
+    po = torch.randn(splits, rows, hq, d, device="cuda").to(getattr(torch, spec["pdtype"]))
+    pl = torch.randn(splits, rows, hq, device="cuda")
+    odt = getattr(torch, spec["odtype"])
+    return (lambda: mate.merge_attention_states(po, pl, out_dtype=odt),
+            lambda: mate.merge_attention_states(po, pl, out_dtype=odt, backend="reference"))
+
+
 # ---------------------------------------------------------------- timing and run metadata (GPU)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -438,9 +579,9 @@ def program_variants(stage: str, sources: dict):
     the public API runs that version: the dispatcher builds the program from its file with the
     config's tiles and the card's pass options, compiles it at its first call and keeps each
     version's compiled kernels apart, so switching back costs nothing (interleaved timing).
-    Only the kernels the dispatcher caches switch (`_dispatch.kernel`: each entrypoint's default
-    path; GQA's option variants, varlen, sinks and softcap, keep their own cache); the API still
-    reads flags and constants from the shipped module. Change tiles around this, not inside.
+    Every kernel the dispatcher compiles for the stage switches (`_dispatch.kernel`, GQA's option
+    variants, varlen, sinks and softcap, included: a version's program takes those arguments too);
+    the API still reads flags and constants from the shipped module. Change tiles around this, not inside.
     On exit the shipped card and the kernels compiled before are back.
     """
     shipped = _dispatch.STAGES[stage]

@@ -69,3 +69,28 @@ def test_figures_plots_and_tables(tmp_path):
     mqa = run.table(mods["mqa"].figures(RESULTS["mqa"])).splitlines()
     # 64 query rows: 64e12 FLOPs in 128 us (mate), 576 us (torch), 64 us (roofline).
     assert "| query rows | mate | torch | roofline |" in mqa and "| 64 | 5e+05 | 1.111e+05 | 1e+06 |" in mqa
+
+
+def test_benchmarks_reach_mate_through_the_public_api_and_mate_testing_only():
+    """Issue 15: a benchmark imports `mate` (its public names) and `mate.testing`, nothing else of mate or
+    the tuner, so a refactor of the internals cannot break one unseen."""
+    import ast
+
+    import mate
+
+    for path in sorted(Path(run.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for m in modules:
+                assert m.split(".")[0] not in ("mate", "tuning") or m in ("mate", "mate.testing"), f"{path.name}:{node.lineno} imports {m}"
+            if isinstance(node, ast.ImportFrom) and node.module == "mate":
+                names = {a.name for a in node.names}
+                assert names <= set(mate.__all__) | {"testing"}, f"{path.name}:{node.lineno} imports {sorted(names)} from mate"
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "mate"}
+        assert used <= set(mate.__all__) | {"testing"}, f"{path.name} uses mate.{sorted(used - set(mate.__all__))}"

@@ -89,6 +89,43 @@ def test_register_makes_the_op_from_the_signature():
     assert out is buf and torch.equal(out, x * 3) and torch.equal(sums, x.sum(-1))  # sums: copied from the result
 
 
+def test_trainable_makes_the_training_ops_from_the_signature():
+    """The training route of an entrypoint with buffers: a keyword is one edit, in the entrypoint (and the
+    forward and backward that take it by name); under torch.compile the gradients are eager's."""
+    def scaled(x: torch.Tensor, w: torch.Tensor, *, alpha: float = 2.0, out: torch.Tensor | None = None, sums: torch.Tensor | None = None):
+        y = x * w * alpha
+        return y if out is None else out.copy_(y), y.detach().sum(-1) if sums is None else sums.copy_(y.sum(-1))
+
+    def forward(**a):
+        with torch.no_grad():
+            return scaled(**a)
+
+    def backward(do, x, w, o, s, alpha):
+        return do * w * alpha, (do * x * alpha).sum(0)
+
+    bufs = {"out": lambda a: torch.empty_like(a["x"]), "sums": lambda a: a["x"].new_empty(a["x"].shape[:-1])}
+    public = _ops.register("_test_trained", scaled, buffers=bufs, returns=lambda a, out, sums: (out, sums))
+    entry = _ops.trainable("_test_trained", public, forward, backward, grads=("x", "w"), buffers=bufs, outputs=("o", "s"))
+    assert str(torch.ops.mate._test_trained_train.default._schema) == \
+        "mate::_test_trained_train(Tensor x, Tensor w, float alpha) -> (Tensor, Tensor)"
+    assert str(torch.ops.mate._test_trained_backward.default._schema) == \
+        "mate::_test_trained_backward(Tensor do, Tensor x, Tensor w, Tensor o, Tensor s, float alpha) -> (Tensor, Tensor)"
+    assert inspect.signature(entry) == inspect.signature(scaled)
+    torch._dynamo.reset()
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    o, sums = torch.compile(lambda: entry(x, w, alpha=3.0), fullgraph=True, backend=backend)()
+    assert torch.ops.mate._test_trained_train.default in seen and not sums.requires_grad
+    assert torch.equal(o, x * w * 3) and torch.equal(sums, (x * w * 3).sum(-1))
+    want = torch.autograd.grad((x * w * 3).pow(2).sum(), (x, w))
+    assert all(torch.allclose(a, b) for a, b in zip(torch.autograd.grad(o.pow(2).sum(), (x, w)), want))
+
+
 def test_every_entrypoint_is_an_op_with_its_signature_and_docstring():
     public = set(mate.__all__) - {"build_gqa_attn", "qsa_mqa", "debug_checks"}
     assert public == set(OPS)

@@ -19,11 +19,17 @@ CONFIG = _dispatch.config_dir() / "sm90.yaml"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_tunable_is_a_native_stage_with_its_parameters_and_presets():
-    for name, t in TUNABLES.items():
-        assert name in _dispatch.STAGES
-        assert tuple(t.space) == _dispatch.STAGES[name].params, name
-        assert {"quick", "full"} <= set(t.shapes), name
+def test_every_native_stage_is_tunable_from_its_card():
+    """Each card names a workload of mate.testing, its presets and a tolerance; the tuner takes them from there."""
+    from mate import testing
+
+    assert list(TUNABLES) == list(_dispatch.STAGES)
+    for name, card in _dispatch.STAGES.items():
+        t = TUNABLES[name]
+        assert (t.space, t.limits, t.shapes, t.tol) == (card.space, card.limits, card.shapes, card.tol), name
+        assert t.workload is getattr(testing, card.workload), name
+        assert {"quick", "full"} <= set(t.shapes) and all(t.shapes.values()), name
+        assert 0 < t.tol < 0.1, name
 
 
 @pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
@@ -55,8 +61,6 @@ def test_enumeration_is_the_product_split_into_legal_and_pruned():
 @pytest.mark.parametrize("stage, key", [(s, k) for s, e in _dispatch.load_config("sm90").items() for k in e])
 def test_committed_entries_pass_their_stage_limits(stage, key):
     """The limits must not prune tiles that compile and run (every committed entry does, on the H200)."""
-    if stage not in TUNABLES:
-        pytest.skip(f"{stage} has no tuner entry yet")
     entry = _dispatch.load_config("sm90")[stage][key]
     tiles = {p: entry[p] for p in _dispatch.STAGES[stage].params}
     assert TUNABLES[stage].limits(_dispatch.parse_key(key), tiles) is None
@@ -277,6 +281,43 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     # A workload without a pick compares the whole output.
     loads = cli.workloads(Tunable(t.stage, t.space, t.limits, t.shapes, lambda s, x: (1, 2), t.tol), {}, [{}])
     assert loads[0][:2] == (1, 2) and loads[0][2]("out") == "out"
+
+
+@pytest.mark.parametrize("stage", ["nsa_selection_bwd_dq", "nsa_selection_bwd_dkv"])
+def test_nsa_backward_workloads_check_their_step_against_the_reference_gradients(stage, monkeypatch):
+    """The NSA backward's workloads on the CPU, each native step played by the reference's gradients (the real
+    steps need CUDA): the tuner accepts a step that writes them, and catches one that leaves a dq row
+    unwritten (poisoned NaN before each launch) or one key block's dk and dv (zeroed before each launch)."""
+    import torch
+
+    from mate import testing
+
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.001)
+    key, shape = "dtype=bfloat16,dim=64,block_size=32", dict(seq=256, heads=16, kv_heads=1, selected=4)
+    spec = _dispatch.parse_key(key)
+    skip = [None]  # what the stand-in step leaves unwritten: a dq row or a key block
+
+    def parts(q, k, v, idx, do, *, block_size):
+        assert block_size == spec["block_size"] and q.shape == (1, 256, 16, 64) and k.shape == v.shape == (1, 256, 1, 64)
+        want = testing.nsa_reference_grads(q, k, v, idx, do, block_size=block_size)
+        grads = tuple(torch.zeros_like(g) for g in want)
+
+        def write(i, rows):
+            grads[i][:, rows].copy_(want[i][:, rows])
+
+        return testing.NsaBackwardParts(grads, lambda: None, lambda: write(0, slice(0, skip[0])),
+                                        lambda: [write(i, slice(skip[0], None)) for i in (1, 2)])
+
+    monkeypatch.setattr(testing, "nsa_backward_parts", parts)
+    t = TUNABLES[stage]
+    t = Tunable(t.stage, t.space, t.limits, t.shapes, lambda spec, shape: TUNABLES[stage].workload(spec, shape, device="cpu"), t.tol)
+    loads = cli.workloads(t, spec, [shape])
+    refs = [ref() for _, ref, _ in loads]
+    tiles = _dispatch.tiles(stage, spec, "sm90")
+    measure = lambda: cli.measure(t, "sm90", _dispatch.load_config("sm90"), key, tiles, loads, refs)  # noqa: E731
+    assert "us" in measure(), measure()
+    skip[0] = -1 if stage.endswith("dq") else 32  # the last query row's dq; the first key block of 32
+    assert measure()["wrong"].startswith("relative error " + ("inf" if stage.endswith("dq") else ""))
 
 
 def test_watchdog_records_a_hung_candidate_and_ends_the_process(tmp_path):

@@ -169,7 +169,7 @@ def decide(results: list[tuple[dict, dict]], current: dict | None, min_gain: flo
     return current, old_us, old_us
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mate-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", required=True, choices=sorted(TUNABLES))
     ap.add_argument("--keys", nargs="*", help="specialization keys to tune (default: every key of the stage in the config)")
@@ -184,30 +184,79 @@ def main(argv=None) -> int:
                     help="seconds one candidate's check and timing may take; past it the candidate is recorded as failed and "
                          "the run ends with exit status 3 (rerun to resume)")
     ap.add_argument("--cache", type=Path, help="results cache (default ~/.cache/mate/tune-<target>.json)")
-    args = ap.parse_args(argv)
+    return ap
 
-    tunable = TUNABLES[args.stage]
-    config_path = args.write or _dispatch.config_dir() / f"{args.target}.yaml"
-    config = _dispatch.validate_config(yaml.safe_load(config_path.read_text()) or {}, config_path)
-    entries = config.get(args.stage, {})
-    keys = args.keys or list(entries)
-    shapes = load_shapes(args.stage, args.shapes)
 
+def plan_keys(tunable, keys: list[str], entries: dict) -> dict:
+    """key -> (candidates, pruned with the reason, the current entry's tiles or None)."""
     plan = {}
     for key in keys:
         spec = _dispatch.parse_key(key)
         legal, pruned = candidates(tunable, spec)
-        current = {p: entries[key][p] for p in _dispatch.STAGES[args.stage].params} if key in entries else None
+        current = {p: entries[key][p] for p in _dispatch.STAGES[tunable.stage].params} if key in entries else None
         # The current entry is always measured: it is the time to beat, in or out of the space.
         plan[key] = ([current] if current else []) + [t for t in legal if t != current], pruned, current
+    return plan
+
+
+def print_plan(args, shapes: list[dict], plan: dict) -> None:
+    print(f"{args.stage} on {args.target}, shapes {args.shapes}: {json.dumps(shapes)}")
+    for key, (cands, pruned, current) in plan.items():
+        print(f"\n{key}: {len(cands)} candidates, {len(pruned)} pruned")
+        for t in cands:
+            print(f"  {'*' if t == current else ' '} {tiles_str(t)}")
+        for t, why in pruned:
+            print(f"  - {tiles_str(t)}: {why}")
+
+
+def measure_key(args, tunable, config, cache: Cache, env: dict, key: str, cands: list[dict], shapes: list[dict], progress) -> list:
+    """(tiles, result) of every candidate of one key: from the cache, a failed compile, or measured under the watchdog."""
+    import torch
+
+    loads = workloads(tunable, _dispatch.parse_key(key), shapes)
+    refs = [ref() for _, ref, _ in loads]
+    results = []
+    for tiles in progress(cands, desc=key, unit="cand"):
+        res = cache.get(env["gpu"], key, tiles)
+        if res is None:
+            compiled = cache.get("compile", key, tiles)
+            if compiled and compiled["error"]:
+                res = {"error": compiled["error"]}
+            else:
+                hung = {"error": f"did not finish within {args.candidate_timeout:g} s (a hung kernel?)"}
+
+                def give_up():
+                    cache.put(env["gpu"], key, tiles, hung)
+                    print(f"\nmate-tune: {key} {tiles_str(tiles)}: {hung['error']}; recorded as failed in {cache.path}. "
+                          "Run the same command again to go on from there.", file=sys.stderr, flush=True)
+
+                with watchdog(args.candidate_timeout, give_up):
+                    res = measure(tunable, args.target, config, key, tiles, loads, refs)
+            cache.put(env["gpu"], key, tiles, res)
+        results.append((tiles, res))
+    del loads, refs
+    torch.cuda.empty_cache()
+    return results
+
+
+def print_summary(args, env: dict, rows: list[dict]) -> None:
+    print(f"\n{args.stage} on {env['gpu']}, shapes {args.shapes}, commit {env['commit']}; times: geomean over the shapes of CUDA-graph medians")
+    print(f"{'key':<36} {'old tiles':<44} {'old us':>9} {'new tiles':<44} {'new us':>9} {'speedup':>7} {'wrong':>5} {'failed':>6}")
+    for r in rows:
+        print(f"{r['key']:<36} {tiles_str(r['old'] or {}):<44} {r['old_us']:>9.1f} {tiles_str(r['new'] or {}):<44} {r['new_us']:>9.1f} "
+              f"{r['old_us'] / r['new_us']:>7.3f} {r['wrong']:>5} {r['failed']:>6}")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    tunable = TUNABLES[args.stage]
+    config_path = args.write or _dispatch.config_dir() / f"{args.target}.yaml"
+    config = _dispatch.validate_config(yaml.safe_load(config_path.read_text()) or {}, config_path)
+    entries = config.get(args.stage, {})
+    shapes = load_shapes(args.stage, args.shapes)
+    plan = plan_keys(tunable, args.keys or list(entries), entries)
     if args.dry_run:
-        print(f"{args.stage} on {args.target}, shapes {args.shapes}: {json.dumps(shapes)}")
-        for key, (cands, pruned, current) in plan.items():
-            print(f"\n{key}: {len(cands)} candidates, {len(pruned)} pruned")
-            for t in cands:
-                print(f"  {'*' if t == current else ' '} {tiles_str(t)}")
-            for t, why in pruned:
-                print(f"  - {tiles_str(t)}: {why}")
+        print_plan(args, shapes, plan)
         return 0
     if not args.compile_only:
         require_gpu(args.target)
@@ -223,37 +272,12 @@ def main(argv=None) -> int:
         print(f"compiled {sum(len(c) for c, _, _ in plan.values()) - len(errors)} candidates, {len(errors)} failed")
         return 0
 
-    import torch
-
     from mate.testing import environment
 
     env = environment()
     rows, updates = [], {}
     for key, (cands, _, current) in plan.items():
-        spec = _dispatch.parse_key(key)
-        loads = workloads(tunable, spec, shapes)
-        refs = [ref() for _, ref, _ in loads]
-        results = []
-        for tiles in tqdm(cands, desc=key, unit="cand"):
-            res = cache.get(env["gpu"], key, tiles)
-            if res is None:
-                compiled = cache.get("compile", key, tiles)
-                if compiled and compiled["error"]:
-                    res = {"error": compiled["error"]}
-                else:
-                    hung = {"error": f"did not finish within {args.candidate_timeout:g} s (a hung kernel?)"}
-
-                    def give_up():
-                        cache.put(env["gpu"], key, tiles, hung)
-                        print(f"\nmate-tune: {key} {tiles_str(tiles)}: {hung['error']}; recorded as failed in {cache.path}. "
-                              "Run the same command again to go on from there.", file=sys.stderr, flush=True)
-
-                    with watchdog(args.candidate_timeout, give_up):
-                        res = measure(tunable, args.target, config, key, tiles, loads, refs)
-                cache.put(env["gpu"], key, tiles, res)
-            results.append((tiles, res))
-        del loads, refs
-        torch.cuda.empty_cache()
+        results = measure_key(args, tunable, config, cache, env, key, cands, shapes, tqdm)
         for tiles, res in results:
             if "us" not in res:
                 print(f"  {key} {tiles_str(tiles)}: {'WRONG' if 'wrong' in res else 'FAILED'} {res.get('wrong') or res.get('error')}")
@@ -264,12 +288,7 @@ def main(argv=None) -> int:
             was = f"{old_us:.1f} us" if math.isfinite(old_us) else "no working entry"
             updates[key] = dict(new, measured=f"mate-tune {datetime.date.today()} {env['gpu']}, shapes {args.shapes}: "
                                              f"{new_us:.1f} us geomean (was {was}: {tiles_str(current or {})})")
-
-    print(f"\n{args.stage} on {env['gpu']}, shapes {args.shapes}, commit {env['commit']}; times: geomean over the shapes of CUDA-graph medians")
-    print(f"{'key':<36} {'old tiles':<44} {'old us':>9} {'new tiles':<44} {'new us':>9} {'speedup':>7} {'wrong':>5} {'failed':>6}")
-    for r in rows:
-        print(f"{r['key']:<36} {tiles_str(r['old'] or {}):<44} {r['old_us']:>9.1f} {tiles_str(r['new'] or {}):<44} {r['new_us']:>9.1f} "
-              f"{r['old_us'] / r['new_us']:>7.3f} {r['wrong']:>5} {r['failed']:>6}")
+    print_summary(args, env, rows)
     if args.write and updates:
         configfile.write(args.write, args.stage, updates)
         print(f"wrote {len(updates)} entr{'y' if len(updates) == 1 else 'ies'} to {args.write}")

@@ -139,6 +139,72 @@ def _request_rows(rows, n_req, padded_q, cu_seqlens_q, token_to_req, device):
     return req, local, counts
 
 
+def _physical_slots(key, value, idx):
+    """Physical ids into flattened key/value: (visible [R, T], gather(rows, ok) -> the rows' K and V slots)."""
+    pool = key.shape[0]
+    visible = (idx >= 0) & (idx < pool)
+
+    def gather(rows, ok):
+        i = torch.where(ok, idx[rows], 0)
+        return key[i], value[i]
+
+    return visible, gather
+
+
+def _logical_slots(query, key, value, idx, *, n_req, cu_seqlens_q, token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k,
+                   query_positions, block_table):
+    """Request-local token ids: (visible [R, T], gather(rows, ok) -> the rows' K and V slots), by the rules
+    sparse_attention states, from the key's layout (padded, varlen or paged)."""
+    dev = query.device
+    R = idx.shape[0]
+    padded_q = tuple(query.shape[:2]) if query.dim() == 4 else None
+    req, local, nrows = _request_rows(R, n_req, padded_q, cu_seqlens_q, token_to_req, dev)
+    live = req >= 0
+    b = req.clamp_min(0)
+    if block_table is not None:
+        pages, page_size = key.shape[0], key.shape[1]
+        cap = torch.full((n_req,), block_table.shape[1] * page_size, device=dev, dtype=torch.long)
+    elif cu_seqlens_k is not None:
+        cu_k = cu_seqlens_k.long()
+        offsets("cu_seqlens_k", cu_k, key.shape[0])
+        cap = cu_k[1:] - cu_k[:-1]
+    else:
+        cap = torch.full((n_req,), key.shape[1], device=dev, dtype=torch.long)
+    sq = seq_lens_q.long() if seq_lens_q is not None else nrows
+    sk = seq_lens_k.long() if seq_lens_k is not None else cap
+    if seq_lens_q is not None:
+        live = live & (local < sq[b])
+    if query_positions is not None:
+        pos = query_positions.reshape(R).long()
+    else:
+        pos = sk[b] - sq[b] + local
+    limit = torch.minimum(cap, sk)[b]  # tokens [0, limit) of the row's request exist
+    visible = live[:, None] & (idx >= 0) & (idx < limit[:, None]) & (idx <= pos[:, None])
+    if block_table is not None:
+        col = torch.div(idx, page_size, rounding_mode="floor").clamp(0, max(block_table.shape[1] - 1, 0))
+        page = block_table.long()[b[:, None], col] if block_table.shape[1] else torch.full_like(idx, -1)
+        visible &= (page >= 0) & (page < pages)
+
+        def gather(rows, ok):
+            p = torch.where(ok, page[rows], 0)
+            slot = torch.where(ok, idx[rows] % page_size, 0)
+            return key[p, slot], value[p, slot]
+
+    elif cu_seqlens_k is not None:
+
+        def gather(rows, ok):
+            i = torch.where(ok, cu_k[b[rows], None] + idx[rows], 0)
+            return key[i], value[i]
+
+    else:
+
+        def gather(rows, ok):
+            t = torch.where(ok, idx[rows], 0)
+            return key[b[rows, None].expand_as(t), t], value[b[rows, None].expand_as(t), t]
+
+    return visible, gather
+
+
 def sparse_attention(
     query,
     key,
@@ -174,61 +240,12 @@ def sparse_attention(
     idx = indices.reshape(R, indices.shape[-1]).long()
     T = idx.shape[1]
     Hkv = key.shape[-2]
-
     if physical:
-        pool = key.shape[0]
-        exists = (idx >= 0) & (idx < pool)
-        visible = exists
-
-        def gather(rows, ok):
-            i = torch.where(ok, idx[rows], 0)
-            return key[i], value[i]
-
+        visible, gather = _physical_slots(key, value, idx)
     else:
-        padded_q = tuple(query.shape[:2]) if query.dim() == 4 else None
-        req, local, nrows = _request_rows(R, n_req, padded_q, cu_seqlens_q, token_to_req, dev)
-        live = req >= 0
-        b = req.clamp_min(0)
-        if block_table is not None:
-            pages, page_size = key.shape[0], key.shape[1]
-            cap = torch.full((n_req,), block_table.shape[1] * page_size, device=dev, dtype=torch.long)
-        elif cu_seqlens_k is not None:
-            cu_k = cu_seqlens_k.long()
-            offsets("cu_seqlens_k", cu_k, key.shape[0])
-            cap = cu_k[1:] - cu_k[:-1]
-        else:
-            cap = torch.full((n_req,), key.shape[1], device=dev, dtype=torch.long)
-        sq = seq_lens_q.long() if seq_lens_q is not None else nrows
-        sk = seq_lens_k.long() if seq_lens_k is not None else cap
-        if seq_lens_q is not None:
-            live = live & (local < sq[b])
-        if query_positions is not None:
-            pos = query_positions.reshape(R).long()
-        else:
-            pos = sk[b] - sq[b] + local
-        limit = torch.minimum(cap, sk)[b]  # tokens [0, limit) of the row's request exist
-        visible = live[:, None] & (idx >= 0) & (idx < limit[:, None]) & (idx <= pos[:, None])
-        if block_table is not None:
-            col = torch.div(idx, page_size, rounding_mode="floor").clamp(0, max(block_table.shape[1] - 1, 0))
-            page = block_table.long()[b[:, None], col] if block_table.shape[1] else torch.full_like(idx, -1)
-            visible &= (page >= 0) & (page < pages)
-
-            def gather(rows, ok):
-                p = torch.where(ok, page[rows], 0)
-                slot = torch.where(ok, idx[rows] % page_size, 0)
-                return key[p, slot], value[p, slot]
-
-        elif cu_seqlens_k is not None:
-
-            def gather(rows, ok):
-                i = torch.where(ok, cu_k[b[rows], None] + idx[rows], 0)
-                return key[i], value[i]
-
-        else:
-
-            def gather(rows, ok):
-                t = torch.where(ok, idx[rows], 0)
-                return key[b[rows, None].expand_as(t), t], value[b[rows, None].expand_as(t), t]
+        visible, gather = _logical_slots(query, key, value, idx, n_req=n_req, cu_seqlens_q=cu_seqlens_q, token_to_req=token_to_req,
+                                         cu_seqlens_k=cu_seqlens_k, seq_lens_q=seq_lens_q, seq_lens_k=seq_lens_k,
+                                         query_positions=query_positions, block_table=block_table)
 
     out = torch.zeros(R, Hq, D, dtype=torch.float32, device=dev)
     lse = torch.full((R, Hq), NEG_INF, dtype=torch.float32, device=dev)

@@ -7,7 +7,7 @@ the same numbers.
 
 from mate._stage import Stage
 from mate._hopper import MAX_GROUP, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize
-from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, TILE_KEYS
+from mate.nsa.kernels.selection_card import MAX_SLOTS, SPARE_REGS, STAGE, TILE_KEYS
 
 
 # At 2 CTAs per SM the dk/dv program's producer warpgroup lowers its registers to PRODUCER_REGS and the
@@ -71,6 +71,9 @@ DQ = Stage(
     keys=("dtype", "dim", "block_size"),
     limits=_dq_limits,
     pass_configs="PASS_CONFIGS",
+    shapes=STAGE.shapes,  # the forward's
+    workload="nsa_selection_bwd_dq_workload",
+    tol=1e-2,
 )
 DKV = Stage(
     "nsa_selection_bwd_dkv", "mate.nsa.kernels.selection_bwd", "nsa_selection_bwd_dkv",
@@ -78,4 +81,7 @@ DKV = Stage(
     keys=("dtype", "dim", "block_size"),
     limits=_dkv_limits,
     pass_configs="PASS_CONFIGS",
+    shapes=STAGE.shapes,
+    workload="nsa_selection_bwd_dkv_workload",
+    tol=1e-2,
 )

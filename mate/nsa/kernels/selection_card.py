@@ -42,4 +42,9 @@ STAGE = Stage(
     keys=("dtype", "dim", "block_size"),
     limits=_limits,
     pass_configs="PASS_CONFIGS",
+    # B 1, `seq` queries and keys, `selected` blocks a row (the backward's cards time the same shapes)
+    shapes=dict(quick=[dict(seq=8192, heads=128, kv_heads=8, selected=16)],
+                full=[dict(seq=32768, heads=128, kv_heads=8, selected=16), dict(seq=32768, heads=64, kv_heads=4, selected=16)]),
+    workload="nsa_selection_workload",
+    tol=1e-2,
 )

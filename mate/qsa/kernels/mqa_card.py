@@ -51,6 +51,12 @@ LOGITS = Stage(
     space=dict(block_rows=(64, 128), block_keys=(64, 128, 256), threads=(128, 256), num_stages=(1, 2, 3)),
     keys=("dtype", "even_keys"),
     limits=_logits_limits,
+    shapes=dict(
+        quick=[dict(rows=4096, keys=4096)],
+        full=[dict(rows=8192, keys=8192), dict(rows=1024, keys=8192), dict(rows=8192, keys=2048)],
+    ),
+    workload="mqa_logits_workload",
+    tol=1e-4,
 )
 
 DECODE = Stage(
@@ -58,4 +64,8 @@ DECODE = Stage(
     space=dict(block_keys=(64, 128, 256), threads=(128, 256)),
     keys=("dtype", "page_size"),
     limits=_decode_limits,
+    # Batches whose keys (batch x keys x 256 B) exceed the 60 MB L2, so the timing is of HBM reads.
+    shapes=dict(quick=[dict(batch=32, keys=8192)], full=[dict(batch=32, keys=8192), dict(batch=128, keys=8192), dict(batch=8, keys=65536)]),
+    workload="mqa_decode_workload",
+    tol=1e-4,
 )

@@ -39,6 +39,11 @@ ATTENTION = Stage(
     keys=("dtype", "split", "wide"),
     limits=_attention_limits,
     pass_configs="PASS_CONFIGS",
+    # batch 256: 512 CTAs (wide); the narrow keys run batch 16 (32 CTAs, 128 with 4 splits)
+    shapes=dict(quick=[dict(batch=256, context=32768, width=2051)],
+                full=[dict(batch=256, context=32768, width=2051), dict(batch=128, context=16384, width=2051)]),
+    workload="qsa_attention_workload",
+    tol=1e-2,
 )
 
 MERGE = Stage(
@@ -46,4 +51,7 @@ MERGE = Stage(
     space=dict(threads=(64, 128, 256)),
     keys=("pdtype", "odtype"),
     limits=lambda spec, t: None,  # one CTA per (row, head): every thread count of the space fits
+    shapes=dict(quick=[dict(splits=8, rows=64)], full=[dict(splits=8, rows=64), dict(splits=16, rows=8)]),
+    workload="qsa_merge_workload",
+    tol=1e-2,
 )

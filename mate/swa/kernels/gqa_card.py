@@ -44,4 +44,8 @@ STAGE = Stage(
     space=dict(block_m=(64, 128, 192), block_n=(64, 128, 192), threads=(128, 256, 384), num_stages=(1, 2, 3), mma_depth=(1, 2)),
     keys=("dtype", "dim", "window"),
     limits=_limits,
+    shapes=dict(quick=[dict(seq=4096, heads=64, kv_heads=8)],
+                full=[dict(seq=16384, heads=64, kv_heads=8), dict(seq=16384, heads=64, kv_heads=8, window=(512, 0))]),
+    workload="gqa_fwd_workload",
+    tol=1e-2,
 )
