@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
-from mate.testing import draw_block_indices, nsa_backward_parts, shipped_tiles, using_tiles
+from mate.testing import compile_kernels, draw_block_indices, nsa_backward_parts, shipped_tiles, using_tiles
 
 D, T_SEL, BS = 128, 16, 64
 KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS
@@ -277,11 +277,9 @@ BWD_VARIANTS = [  # the shipped tiles' ring-depth neighbours (every other ring d
 def precompile_train(jobs: int) -> None:
     """Compile every kernel a --train --probe run takes at KEY (the shipped tiles of the three stages and
     BWD_VARIANTS) into TileLang's disk cache, in `jobs` processes, so the timed run compiles nothing."""
-    from mate.precompile import build_all
-
     todo = [(s, KEY, None, True) for s in ("nsa_selection", "nsa_selection_bwd_dq", "nsa_selection_bwd_dkv")]
     todo += [(s, KEY, t, True) for s, t in BWD_VARIANTS]
-    for (stage, _, tiles, _), (_, error) in build_all(todo, "sm90", jobs):
+    for (stage, _, tiles, _), (_, error) in compile_kernels(todo, jobs):
         print("compiled", stage, tiles or "shipped", error or "ok", flush=True)
 
 

@@ -201,6 +201,15 @@ def nsa_backward_parts(q, k, v, block_indices, do, *, block_size: int) -> NsaBac
                             lambda: selection.launch_dq(p, a), lambda: selection.launch_dkv(p, a))
 
 
+def compile_kernels(jobs: list[tuple], workers: int, target: str = "sm90"):
+    """Compile kernels of other tiles than the config's into TileLang's disk cache before a timed run, in
+    `workers` processes: mate.precompile's pool, for a benchmark's variants. `jobs` are (stage, key,
+    tiles or None, full); yields (job, (source, error)) as each ends."""
+    from mate.precompile import build_all
+
+    yield from build_all(jobs, target, workers)
+
+
 # ---------------------------------------------------------------- QSA sparse attention: logical problems in every layout
 
 
