@@ -17,7 +17,7 @@ unit feature stride and 16-byte aligned pointer and strides (TMA). One kernel
 per (dtype, D, window class) serves every geometry, length and window of its
 class: `none` (no window), `causal` (LEFT unbounded, RIGHT bounded) and
 `local` (LEFT bounded). Varlen, sinks and softcap are compile-time variants of
-that kernel with its class's tiles, compiled at first use (not by mate-precompile);
+that kernel with its class's tiles, compiled at first use (or by `mate-precompile --options`);
 with none of them the call takes the plain kernel, unchanged.
 
 Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per sequence
