@@ -16,12 +16,19 @@ FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
   python benchmarks/bench_gqa.py [--dims 128 64] [--lengths 4096 16384 65536] [--depths]
                                  [--out benchmarks/results/gqa_h200.json]
   python benchmarks/bench_gqa.py --options [--no-flex] [--out ...]
+  python benchmarks/bench_gqa.py --decode [--tiles 64,128,128,3 ...] [--out ...]
 
 --options times issue 17's options instead (D 128, BF16, H 64/8): sinks, softcap and both
 against the plain kernel at 16k (dense causal and window (4096, 0)), and varlen 16 x 1024 causal
 against the padded [16, 1024] call, cuDNN SDPA on the padded batch and FlexAttention with a
 document mask on the packed one. FlashAttention-3 (the fa3-fwd wheel) cannot travel to the GPU
 beside TileLang's bundle, so it is not in these runs.
+
+--decode times issue 17's decode instead (D 128, BF16, H 64/8): 64 sequences of 1 or 4 query rows
+against 8192 keys each in a paged cache (pages of 16 and 64 in random order), dense causal and window
+(4096, 0), in TB/s of the K/V rows read (bytes counted exactly, see the JSON); beside it, in the same
+run, mate's padded call on the same keys and torch SDPA (cuDNN, else FlashAttention) on the dense
+visible K/V of one-row steps.
 
 --depths also times the other consumer schedule (mma_depth 1 vs 2) of the
 mate kernel. The JSON is rewritten after every row, so a run cut short keeps
@@ -102,19 +109,27 @@ def figures(result):
     return figs
 
 
-def options(args) -> dict:
-    """Issue 17's option rows (see the module docstring); every row checks mate against the reference."""
-    dev = torch.device("cuda")
-    meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call", "rows": []}
-    D = 128
+def rnd(*shape):
+    return torch.randn(*shape, device="cuda").to(torch.bfloat16)
 
-    def rnd(*shape):
-        return torch.randn(*shape, device=dev).to(torch.bfloat16)
+
+def _row_writer(args, meta):
+    """add(row): append a result row, rewrite the JSON (a run cut short keeps its rows), print it."""
 
     def add(row):
         meta["rows"].append(row)
         write_json(args.out, meta)
         print(json.dumps(row), flush=True)
+
+    return add
+
+
+def options(args) -> dict:
+    """Issue 17's option rows (see the module docstring); every row checks mate against the reference."""
+    dev = torch.device("cuda")
+    meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call", "rows": []}
+    D = 128
+    add = _row_writer(args, meta)
 
     s = 16384
     q, k, v = rnd(1, s, H, D), rnd(1, s, HKV, D), rnd(1, s, HKV, D)
@@ -160,7 +175,7 @@ def options(args) -> dict:
     except RuntimeError as e:
         add(dict(case="cuDNN SDPA padded 16 x 1024 causal", error=str(e)[:200]))
 
-    # Decode through the varlen prefill kernel (no decode path yet): 64 sequences of one row against 8192 keys;
+    # Decode through the varlen prefill kernel (varlen k; --decode times the split-KV kernel): 64 sequences of one row against 8192 keys;
     # the bandwidth counts each sequence's visible K and V once (the ceiling: PEAK_BYTES).
     nd, ctx = 64, 8192
     qd, kd, vd = rnd(nd, H, D), rnd(nd * ctx, HKV, D), rnd(nd * ctx, HKV, D)
@@ -192,6 +207,79 @@ def options(args) -> dict:
     return meta
 
 
+def decode(args) -> dict:
+    """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    nd, ctx, D = 64, 8192, 128
+    meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call",
+            "shape": {"B": nd, "context": ctx, "H": H, "H_kv": HKV, "D": D, "dtype": "bfloat16"},
+            "bytes": "K and V rows each sequence's query rows see (B * H_kv * visible * D * 2 B * 2), plus q, out, "
+                     "block_table and seq_lens_k; mate's FP32 split partials (written, then read by the merge) are not counted",
+            "rows": []}
+    add = _row_writer(args, meta)
+
+    def sdpa(qt, kt, vt):
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                return backend.name, lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            except RuntimeError:
+                continue
+        return None, None
+
+    lens = torch.full((nd,), ctx, dtype=torch.int32, device=dev)
+    if args.tiles:  # compile the other tiles in parallel first (one after another at first use: minutes)
+        from mate import precompile
+
+        keys = {gqa_config_key(torch.bfloat16, D, w) for w in [(-1, 0), (4096, 0)]}
+        jobs = [("gqa_decode", key, tiles, True) for key in keys for tiles in args.tiles]
+        for job, (_, error) in precompile.build_all(jobs, "sm90", 16):
+            assert error is None, (job, error)
+    for ps in (16, 64):
+        pages = nd * ctx // ps
+        kc, vc = rnd(pages, ps, HKV, D), rnd(pages, ps, HKV, D)
+        table = torch.randperm(pages, device=dev).int().view(nd, ctx // ps)  # pages in random order
+        kd, vd = (x[table.long()].view(nd, ctx, HKV, D) for x in (kc, vc))  # the same keys, dense
+        for sq in (1, 4):
+            q = rnd(nd, sq, H, D)
+            out = torch.empty_like(q)
+            for window in [(-1, 0), (4096, 0)]:
+                seen = visible_pairs(sq, ctx, *window)  # (row, key) pairs of one sequence; K/V rows read once per group
+                keys = ctx if window[0] < 0 else min(ctx, window[0] + sq)
+                nbytes = nd * HKV * keys * D * 2 * 2 + 2 * q.numel() * 2 + table.numel() * 4 + lens.numel() * 4
+                kw = dict(block_table=table, seq_lens_k=lens, sliding_window=window)
+                ms = timed_ms(lambda: mate.gqa_attention(q, kc, vc, out=out, **kw))
+                alt = []
+                for tiles in args.tiles if sq == 1 else ():
+                    with using_tiles("sm90", "gqa_decode", gqa_config_key(torch.bfloat16, D, window), tiles):
+                        alt_ms = timed_ms(lambda: mate.gqa_attention(q, kc, vc, out=out, **kw))
+                    alt.append(dict(tiles=tiles, ms=alt_ms, TB_s=nbytes / alt_ms / 1e9))
+                ref = mate.gqa_attention(q[:8], kc, vc, **{**kw, "block_table": table[:8], "seq_lens_k": lens[:8]}, backend="reference")
+                row = dict(case=f"paged decode {nd} x {sq} rows x {ctx} keys, page {ps}", window=list(window), ms=ms,
+                           bytes=nbytes, TB_s=nbytes / ms / 1e9, of_peak_bandwidth=nbytes / ms / 1e-3 / PEAK_BYTES,
+                           tflops=4.0 * nd * H * D * seen / ms / 1e9, err_vs_reference=rel_err(out[:8], ref),
+                           tiles=shipped_tiles("sm90", "gqa_decode", gqa_config_key(torch.bfloat16, D, window)), other_tiles=alt)
+                if ps == 64:  # the padded call and the baseline on the dense visible keys, once per shape
+                    outp = torch.empty_like(q)
+                    row["mate_padded_ms"] = timed_ms(lambda: mate.gqa_attention(q, kd, vd, sliding_window=window, out=outp))
+                    qt, kt, vt = q.transpose(1, 2), kd[:, ctx - keys :].transpose(1, 2), vd[:, ctx - keys :].transpose(1, 2)
+                    if sq == 1:  # one row sees every kept key (several would need the band as a mask)
+                        name, fn = sdpa(qt, kt, vt)
+                        if fn is not None:
+                            bms = timed_ms(fn)
+                            row.update(baseline=f"torch SDPA {name} on the dense visible K/V", baseline_ms=bms,
+                                       baseline_TB_s=nbytes / bms / 1e9, speedup_vs_baseline=bms / ms,
+                                       err_vs_baseline=rel_err(out, fn().transpose(1, 2)))
+                add(row)
+        del kc, vc, kd, vd
+        torch.cuda.empty_cache()
+    return meta
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
@@ -202,11 +290,17 @@ def main(argv=None):
                     help="DIM:key=value,... also time these tile overrides for head dim DIM, e.g. 64:block_m=192,threads=384")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--options", action="store_true", help="time issue 17's options (varlen, sinks, softcap) instead")
+    ap.add_argument("--decode", action="store_true", help="time issue 17's paged decode instead")
+    ap.add_argument("--tiles", type=str, action="append", default=[],
+                    help="--decode: also time these gqa_decode tiles on the one-row steps, block_m,block_n,threads,num_stages (repeatable)")
     ap.add_argument("--out", type=str, default=None, help="default benchmarks/results/gqa_h200.json (--options: gqa_options_h200.json)")
     args = ap.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("gqa_options_h200.json" if args.options else "gqa_h200.json"))
+    args.tiles = [dict(zip(("block_m", "block_n", "threads", "num_stages"), map(int, t.split(",")))) for t in args.tiles]
+    args.out = args.out or str(RESULTS / ("gqa_options_h200.json" if args.options else "gqa_decode_h200.json" if args.decode else "gqa_h200.json"))
     if args.options:
         return options(args)
+    if args.decode:
+        return decode(args)
     # argparse takes "-1,0" for an option, so the causal window is also spelled "causal".
     windows = WINDOWS if args.windows is None else [(-1, 0) if w == "causal" else tuple(int(x) for x in w.split(",")) for w in args.windows]
 

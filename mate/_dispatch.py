@@ -21,7 +21,7 @@ import yaml
 from mate._stage import Stage
 from mate.nsa.kernels import selection_bwd_card, selection_card
 from mate.qsa.kernels import mqa_card, sparse_card
-from mate.swa.kernels import gqa_card
+from mate.swa.kernels import gqa_card, gqa_decode_card
 
 BACKENDS = ("tilelang", "reference")
 
@@ -48,7 +48,7 @@ def backend(value) -> str:
 # Every native stage, in one place: each card lives beside its program (mate/<family>/kernels/<kernel>_card.py)
 # and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, selection_bwd_card.DQ, selection_bwd_card.DKV, gqa_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
+    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, selection_bwd_card.DQ, selection_bwd_card.DKV, gqa_card.STAGE, gqa_decode_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
 )}
 
 

@@ -6,7 +6,11 @@ the GPU host before serving, or on a CPU machine with nvcc and ship the cache
 folder (`TILELANG_CACHE_DIR`, default `~/.tilelang/cache`): kernels compiled
 there load on the GPU host from the same folder.
 
-  mate-precompile [--target sm90] [--stages gqa_fwd ...] [--dtypes bfloat16 ...] [--jobs N]
+  mate-precompile [--target sm90] [--stages gqa_fwd ...] [--dtypes bfloat16 ...] [--options] [--jobs N]
+
+--options also compiles the option variants of the selected entries (gqa_fwd's varlen, sinks and
+softcap, every combination: compile-time flags on the entry's tiles, which a call otherwise compiles
+at its first use).
 
 The same enumeration of config entries and the same worker pool serve the CI
 compile check (tests/test_compile.py) and mate-tune's compile phase.
@@ -45,6 +49,22 @@ def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, s
     return out
 
 
+# Compile-time options of a stage's program that are not config keys: a variant takes its entry's tiles.
+OPTIONS = {"gqa_fwd": ("varlen", "sinks", "softcap")}
+
+
+def option_variants(stage: str) -> list[dict]:
+    """Every non-empty combination of the stage's options, as program arguments (none for most stages)."""
+    names = OPTIONS.get(stage, ())
+    return [{n: bool(mask >> i & 1) for i, n in enumerate(names)} for mask in range(1, 1 << len(names))]
+
+
+def variant_jobs(todo, target: str) -> list[tuple]:
+    """build_all jobs (stage, key, tiles, True) of the option variants of the entries in todo."""
+    return [(stage, key, {**_dispatch.tiles(stage, _dispatch.parse_key(key), target), **options}, True)
+            for stage, key in todo for options in option_variants(stage)]
+
+
 def build(stage: str, key: str, target: str, tiles: dict | None = None, full: bool = True) -> tuple[str | None, str | None]:
     """Compile one entry (or only lower it: `full=False`, no nvcc, nothing cached): (CUDA source, None) or (None, error).
 
@@ -79,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="sm90", choices=sorted(_dispatch.TARGETS))
     ap.add_argument("--stages", nargs="*", help="only these stages (default: every stage of the config)")
     ap.add_argument("--dtypes", nargs="*", help="only entries of these dtypes, e.g. bfloat16 float16")
+    ap.add_argument("--options", action="store_true", help="also the option variants (gqa_fwd: varlen, sinks, softcap)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile processes (default: one per core)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -89,14 +110,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"mate-precompile: {e}") from None
     if not todo:
         raise SystemExit("mate-precompile: no config entry matches --stages / --dtypes")
+    jobs = [(s, k, None, True) for s, k in todo] + (variant_jobs(todo, args.target) if args.options else [])
     start, failed = time.monotonic(), []
-    bar = tqdm(build_all([(s, k, None, True) for s, k in todo], args.target, args.jobs), total=len(todo), desc=f"compile {args.target}", unit="kernel")
-    for (stage, key, _, _), (_, error) in bar:
+    bar = tqdm(build_all(jobs, args.target, args.jobs), total=len(jobs), desc=f"compile {args.target}", unit="kernel")
+    for (stage, key, tiles, _), (_, error) in bar:
         if error:
-            failed.append(f"{stage}[{key}]: {error}")
+            opts = "".join(f" +{n}" for n in OPTIONS.get(stage, ()) if tiles and tiles.get(n))
+            failed.append(f"{stage}[{key}]{opts}: {error}")
             bar.write(f"FAILED {failed[-1]}")
     cache = os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache")
-    print(f"compiled {len(todo) - len(failed)} of {len(todo)} kernels for {args.target} in {time.monotonic() - start:.0f} s "
+    print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} kernels for {args.target} in {time.monotonic() - start:.0f} s "
           f"with {args.jobs} processes into {cache}" + (f"; {len(failed)} failed" if failed else ""))
     return 1 if failed else 0
 

@@ -232,10 +232,14 @@ def test_option_errors():
 
 
 def test_native_option_limits():
-    """On the CPU the native backend names the target; a paged cache is reference-only for now."""
+    """On the CPU the native backend names the target (paged caches too) and still checks the native limits."""
     q, kc, vc = torch.randn(1, 2, 4, 64).bfloat16(), torch.randn(3, 16, 2, 64).bfloat16(), torch.randn(3, 16, 2, 64).bfloat16()
     table, lens = torch.zeros(1, 2, dtype=I32), torch.tensor([20], dtype=I32)
-    raises(ValueError, "paged caches .* use backend='reference'", mate.gqa_attention, q, kc, vc, block_table=table, seq_lens_k=lens)
+    raises(ValueError, "sm90", mate.gqa_attention, q, kc, vc, block_table=table, seq_lens_k=lens)
+    raises(ValueError, "head dim 64 or 128", mate.gqa_attention, q[..., :32], kc[..., :32], vc[..., :32], block_table=table, seq_lens_k=lens)
+    raises(ValueError, "float16", mate.gqa_attention, q.float(), kc.float(), vc.float(), block_table=table, seq_lens_k=lens)
+    odd = torch.randn(3, 16, 2, 65).bfloat16()[..., :64]  # rows 130 bytes apart
+    raises(ValueError, "stride", mate.gqa_attention, q, odd, odd, block_table=table, seq_lens_k=lens)
     q3, k3 = torch.randn(5, 4, 64).bfloat16(), torch.randn(6, 2, 64).bfloat16()
     raises(ValueError, "sm90", mate.gqa_attention, q3, k3, k3, cu_seqlens_q=cu([5]), cu_seqlens_k=cu([6]), max_seqlen_q=5, max_seqlen_k=6)
     raises(ValueError, "sm90", mate.gqa_attention, q, q, q, sinks=torch.zeros(4), softcap=5.0)
@@ -272,3 +276,49 @@ def test_option_variants_lower_for_sm90a(key, mma_depth):
     tiles = dict(_dispatch.tiles("gqa_fwd", spec, "sm90"), mma_depth=mma_depth)
     src = _dispatch.lower_program("gqa_fwd", spec, "sm90", {**tiles, "varlen": True, "sinks": True, "softcap": True})
     assert all(name in src for name in ("CuQ[", "CuK[", "Sinks[", "tanhf(")), key
+
+
+# ---------------------------------------------------------------- the split-KV kernel's routing (no GPU)
+
+
+def _problem(q, k, **kw):
+    from mate.swa import attention as A
+
+    args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None, seq_lens_k=None,
+                sliding_window=None, sinks=None, softcap=None, scale=None, out=None, return_lse=False, backend="reference")
+    return A._resolve(q, k, k, **{**args, **kw})
+
+
+def test_split_kv_takes_paged_caches_and_padded_decode():
+    from mate.swa.attention import DECODE_MAX_ROWS
+
+    k = torch.randn(2, 50, 2, 8)
+    assert _problem(torch.randn(2, DECODE_MAX_ROWS, 4, 8), k).split_kv
+    assert not _problem(torch.randn(2, DECODE_MAX_ROWS + 1, 4, 8), k).split_kv
+    kc, _, table, lens, _, _ = paged(torch.Generator().manual_seed(0), [9, 40], 16, 2, 8)
+    assert _problem(torch.randn(2, 300, 4, 8), kc, block_table=table, seq_lens_k=lens).split_kv
+    assert _problem(torch.randn(5, 4, 8), kc, block_table=table, seq_lens_k=lens, cu_seqlens_q=cu([2, 3]), max_seqlen_q=3).split_kv
+    assert not _problem(torch.randn(5, 4, 8), torch.randn(7, 2, 8), cu_seqlens_q=cu([2, 3]), max_seqlen_q=3,
+                        cu_seqlens_k=cu([3, 4]), max_seqlen_k=4).split_kv
+
+
+@pytest.mark.parametrize("batch, window, want", [(64, None, 3), (64, (4096, 0), 3), (1, None, 32), (1, (4096, 0), 17), (2, (100, 0), 1)])
+def test_key_splits_fill_the_gpu_within_the_band(monkeypatch, batch, window, want):
+    """B x 1 row x 8192 keys, H 64 / 8: about CTAS_PER_SM CTAs per multiprocessor (132), at least MIN_SPLIT_TILES
+    key tiles of the band a split."""
+    from mate.swa import attention as A
+
+    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    p = _problem(torch.randn(batch, 1, 64, 8), torch.randn(batch, 8192, 8, 8), sliding_window=window)
+    assert A._num_splits(p, 8, 8, 8192, dict(block_m=64, block_n=64)) == want
+
+
+@pytest.mark.compile
+def test_split_kv_program_gathers_by_cp_async_without_tma():
+    """The split-KV program lowers to zero-filling cp.async gathers of K and V and wgmma, no TMA, with only its own barriers."""
+    from mate import _dispatch
+
+    src = _dispatch.lower_program("gqa_decode", _dispatch.parse_key("dtype=bfloat16,dim=128,window=local"), "sm90")
+    assert src.count("cp_async_gs_conditional<16>") == 4 and "tma_load" not in src and "wgmma_rs" in src and "wgmma_ss" in src
+    # rows published; page ids published (prologue, loop); tile landed; stage released
+    assert src.count("__syncthreads()") == 5 and "cp_async_wait<2>" in src  # num_stages 3: two tiles in flight

@@ -3,6 +3,8 @@
 with more rows than keys, garbage before cu_seqlens_k[0] and past cu_seqlens_k[B]; a CUDA graph replayed
 with new offsets; the options' timing cost is benchmarks/bench_gqa.py --options."""
 
+import os
+
 import pytest
 import torch
 
@@ -61,8 +63,23 @@ def variant_id(v):
     return f"{str(dt)[6:]}-d{d}-{w}" + "".join(f"-{n}" for n, on in (("varlen", varlen), ("sinks", sinks), ("softcap", softcap)) if on)
 
 
+@pytest.fixture(scope="module")
+def option_kernels():
+    """Compiles the option variants of VARIANTS and BENCH_VARIANTS in parallel into TileLang's disk cache, on their
+    entries' tiles (what the calls compile at first use, one after another: minutes)."""
+    from mate import _dispatch, precompile
+
+    jobs = []
+    for dt, d, w, varlen, sinks, softcap in dict.fromkeys([*VARIANTS, *BENCH_VARIANTS]):
+        spec = {"dtype": str(dt).removeprefix("torch."), "dim": d, "window": w}
+        tiles = {**_dispatch.tiles("gqa_fwd", spec, "sm90"), "varlen": varlen, "sinks": sinks, "softcap": softcap}
+        jobs.append(("gqa_fwd", _dispatch.spec_key(spec), tiles, True))
+    failed = [f"{job}: {error}" for job, (_, error) in precompile.build_all(jobs, "sm90", min(16, os.cpu_count() or 1)) if error]
+    assert not failed, "\n".join(failed)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_options_match_reference(variant):
+def test_options_match_reference(variant, option_kernels):
     dtype, dim, wclass, varlen, sinks, softcap = variant
     H = 8
     opts = dict(sinks=torch.randn(H, device="cuda") * 2 if sinks else None, softcap=15.0 if softcap else None)
@@ -106,28 +123,129 @@ def test_varlen_garbage_outside_the_sequences_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
 
 
+def captured(call):
+    """A CUDA graph of call(), after a warm-up that compiles outside the capture and one on a side stream."""
+    call()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    return g
+
+
+def replay_matches_reference(g, q, k, v, kw):
+    """New queries, kw["out"] poisoned, one replay of g: the output is the reference's on the current inputs."""
+    out = kw["out"]
+    q.copy_(randn(*q.shape, dtype=q.dtype))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = mate.gqa_attention(q, k, v, backend="reference", **{**kw, "out": None})
+    err = (out.double() - ref.double()).norm() / ref.double().norm()
+    assert err < 1e-2 and not torch.isnan(out).any(), err
+
+
 def test_varlen_cuda_graph_replay_uses_current_offsets():
     q, k, v, meta = varlen_inputs(BF16, 64)
     sinks = torch.randn(8, device="cuda")
     out = torch.empty_like(q)
     kw = dict(sliding_window=(256, 0), sinks=sinks, softcap=20.0, out=out, **meta)
-    mate.gqa_attention(q, k, v, **kw)  # warm-up: compile outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        mate.gqa_attention(q, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mate.gqa_attention(q, k, v, **kw)
+    g = captured(lambda: mate.gqa_attention(q, k, v, **kw))
     for perm in ([5, 4, 3, 2, 1, 0], [2, 0, 1, 5, 3, 4]):
         meta["cu_seqlens_q"].copy_(offsets([LENS_Q[i] for i in perm]))
         meta["cu_seqlens_k"].copy_(offsets([LENS_K[i] for i in perm], HEAD))
         sinks.copy_(torch.randn(8, device="cuda"))
-        q.copy_(randn(*q.shape, dtype=q.dtype))
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ref = mate.gqa_attention(q, k, v, backend="reference", **{**kw, "out": None})
-        err = (out.double() - ref.double()).norm() / ref.double().norm()
-        assert err < 1e-2 and not torch.isnan(out).any()
+        replay_matches_reference(g, q, k, v, kw)
+
+
+# ---------------------------------------------------------------- paged caches and decode (split-KV kernel)
+
+PAGED_LENS_K = [1, 700, 0, 1500, 333]  # a one-key sequence, an empty one, odd lengths
+PAGE_SIZES = (16, 32, 64)
+# (query rows per sequence, sinks, softcap): decode steps of 1-8 rows, a longer paged prefill, each option
+PAGED_STEPS = [(1, False, False), (8, True, False), (5, False, True), (3, True, True), (100, True, True)]
+
+
+def paged_cache(lens_k, page_size, Hkv, dim, dtype, hole=True, poison=True):
+    """k/v caches with pages in random order and (poison) NaN/Inf in every slot no sequence owns (spare pages,
+    the tail of each last page); past each length a -1 or an out-of-range id; with hole, one sequence's second
+    page is -1 (its keys masked, its page poisoned). Returns (k, v, block_table, seq_lens_k)."""
+    need = [-(-n // page_size) for n in lens_k]
+    n_pages = sum(need) + 5
+    k = randn(n_pages, page_size, Hkv, dim, dtype=dtype, scale=2.0)
+    v = randn(n_pages, page_size, Hkv, dim, dtype=dtype)
+    order = torch.randperm(n_pages).tolist()
+    table = torch.full((len(lens_k), max(need) + 2), -1, dtype=torch.int32)
+    used = torch.zeros(n_pages, page_size, dtype=torch.bool)
+    for b, n in enumerate(lens_k):
+        for p in range(need[b]):
+            table[b, p] = order.pop()
+            if not (hole and b == 1 and p == 1):
+                used[table[b, p], : min(page_size, n - p * page_size)] = True
+        table[b, need[b]] = n_pages + 7 if b % 2 else -1
+    if hole:
+        table[1, 1] = -1
+    for x in (k, v) if poison else ():
+        G.poison_unused(x, used)
+    return k, v, table.cuda(), torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("wclass", WINDOW_CLASSES)
+def test_paged_matches_reference(dtype, dim, wclass):
+    """Padded and varlen queries against a paged cache, every page size in turn, each option in some step."""
+    H, Hkv = 8, 2
+    for n, window in enumerate(WINDOWS[wclass]):
+        page_size = PAGE_SIZES[(n + dim // 64 + (dtype == FP16)) % len(PAGE_SIZES)]
+        k, v, table, lens = paged_cache(PAGED_LENS_K, page_size, Hkv, dim, dtype)
+        for sq, sinks, softcap in PAGED_STEPS:
+            opts = dict(sinks=torch.randn(H, device="cuda") * 2 if sinks else None, softcap=15.0 if softcap else None)
+            q = randn(len(PAGED_LENS_K), sq, H, dim, dtype=dtype, scale=2.0)
+            assert_attention_matches(*run_both(q, k, v, window, block_table=table, seq_lens_k=lens, **opts))
+        lens_q = [1, 8, 0, 3, 70]
+        q = randn(sum(lens_q), H, dim, dtype=dtype, scale=2.0)
+        out, lse, ref_out, ref_lse = run_both(q, k, v, window, block_table=table, seq_lens_k=lens, cu_seqlens_q=offsets(lens_q),
+                                              max_seqlen_q=max(lens_q), sinks=torch.randn(H, device="cuda"))
+        assert lse.shape == (H, q.shape[0])
+        assert_attention_matches(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("sq", [1, 8, 16])
+@pytest.mark.parametrize("window", [None, (-1, 0), (300, 0), (64, 16)], ids=str)
+def test_padded_decode_matches_reference(sq, window):
+    """Padded q with at most 16 rows takes the split-KV kernel (k as one page per sequence); MQA and MHA groups too."""
+    for H, Hkv in [(64, 8), (16, 1), (4, 4)]:
+        q = randn(3, sq, H, 128, dtype=BF16, scale=2.0)
+        k, v = randn(3, 2333, Hkv, 128, dtype=BF16, scale=2.0), randn(3, 2333, Hkv, 128, dtype=BF16)
+        assert_attention_matches(*run_both(q, k, v, window))
+
+
+def test_paged_garbage_changes_nothing():
+    """NaN/Inf in unowned pages, last pages' tails and -1 pages: bit-identical to zeros there."""
+    k, v, table, lens = paged_cache([3000, 17, 64, 1], 16, 2, 128, BF16)
+    q = randn(4, 4, 8, 128, dtype=BF16)
+    kw = dict(block_table=table, seq_lens_k=lens, sinks=torch.randn(8, device="cuda"), return_lse=True)
+    for window in [None, (100, 0)]:
+        dirty = mate.gqa_attention(q, k, v, sliding_window=window, **kw)
+        clean = mate.gqa_attention(q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0), sliding_window=window, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+        assert torch.isfinite(dirty[0]).all()
+
+
+def test_paged_decode_cuda_graph_replay_uses_current_table_and_lengths():
+    H, Hkv, D, B = 16, 2, 128, 6
+    # Clean memory: the replays give the sequences other lengths and other rows of the table.
+    k, v, table, lens = paged_cache([500, 1, 2000, 64, 0, 1234], 32, Hkv, D, BF16, hole=False, poison=False)
+    q = randn(B, 1, H, D, dtype=BF16)
+    out = torch.empty_like(q)
+    kw = dict(block_table=table, seq_lens_k=lens, sliding_window=(1000, 0), sinks=torch.randn(H, device="cuda"), softcap=20.0, out=out)
+    g = captured(lambda: mate.gqa_attention(q, k, v, **kw))
+    for step in range(3):
+        lens.copy_(torch.tensor([500 - step, 1 + step, 2000 - 7 * step, 64 + step, step, 1234], dtype=torch.int32))
+        table.copy_(table[torch.randperm(B, device="cuda")])  # other pages, the same capacity
+        replay_matches_reference(g, q, k, v, kw)

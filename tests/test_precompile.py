@@ -50,6 +50,31 @@ def test_command_compiles_the_selection_and_reports_failures(monkeypatch, capsys
         precompile.main(["--stages", "nope"])
 
 
+def test_options_add_every_variant_on_the_entry_tiles(monkeypatch):
+    """--options: gqa_fwd's 7 combinations of varlen/sinks/softcap per selected entry, each on its entry's tiles,
+    which are the values a call's _dispatch.kernel(..., **options) compiles (so the disk cache serves it)."""
+    from mate import _dispatch
+
+    seen = []
+
+    def fake_build_all(jobs, target, workers):
+        seen.extend(jobs)
+        for job in jobs:
+            yield job, ("src", None)
+
+    monkeypatch.setattr(precompile, "build_all", fake_build_all)
+    assert precompile.main(["--stages", "gqa_fwd", "qsa_merge", "--dtypes", "bfloat16", "--options"]) == 0
+    plain = [(s, k) for s, k in ENTRIES if s in ("gqa_fwd", "qsa_merge") and k.startswith("dtype=bfloat16") or k.endswith("odtype=bfloat16")]
+    variants = [j for j in seen if j[2] is not None]
+    gqa = [k for s, k in precompile.entries("sm90", ["gqa_fwd"], ["bfloat16"])]
+    assert len(variants) == 7 * len(gqa) and all(s == "gqa_fwd" for s, *_ in variants)
+    for stage, key, tiles, full in variants:
+        opts = {n: tiles.pop(n) for n in ("varlen", "sinks", "softcap")}
+        assert any(opts.values()) and full and tiles == _dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")
+    assert {(j[0], j[1]) for j in seen if j[2] is None} >= {(s, k) for s, k in plain if s == "gqa_fwd"}
+    assert precompile.option_variants("qsa_merge") == []
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_command_fills_the_cache_folder(tmp_path):

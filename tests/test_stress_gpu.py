@@ -101,11 +101,23 @@ def test_one_stage_rings_of_generated_producers_finish(stage):
     _run(stage, ONE_STAGE[stage])
 
 
-# gqa_attention's option variants (issue 17: varlen, sinks, softcap), which take the tiles of their
-# window class's entry: all three options on, for each head dim, on a packed batch of odd lengths.
-OPTIONS_CHILD = """
+# gqa_attention's children (issue 17): hammer(name, call) runs one case LAUNCHES times back to back.
+GQA_PRELUDE = """
 import sys, torch, mate
 launches = int(sys.argv[1])
+def hammer(name, call):
+    print("started", name, flush=True)
+    for i in range(launches):
+        call()
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print("finished", name, flush=True)
+"""
+
+# The option variants (varlen, sinks, softcap), which take the tiles of their window class's entry: all
+# three options on, for each head dim, on a packed batch of odd lengths.
+OPTIONS_CHILD = GQA_PRELUDE + """
 lens_q, lens_k = [1000, 333, 1, 1500], [1000, 700, 2000, 1500]
 for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
     q = torch.randn(sum(lens_q), 16, dim, device="cuda").bfloat16()
@@ -113,14 +125,7 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
               sliding_window=window, sinks=torch.randn(16, device="cuda"), softcap=30.0, out=torch.empty_like(q))
-    name = f"gqa options d{dim} {window}"
-    print("started", name, flush=True)
-    for i in range(launches):
-        mate.gqa_attention(q, k, k, **kw)
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    print("finished", name, flush=True)
+    hammer(f"gqa options d{dim} {window}", lambda: mate.gqa_attention(q, k, k, **kw))
 """
 
 
@@ -163,3 +168,24 @@ def test_nsa_backward_finishes_back_to_back_launches():
         pytest.fail(f"NSA backward: not finished within {LIMIT_S} s; the last key started: {started[-1] if started else 'none'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_lines(proc.stdout, "finished")) == len(keys)
+
+
+# gqa_attention's split-KV kernel (issue 17: paged caches, decode) and its merge: paged decode and a paged
+# prefill of odd lengths, and a padded decode step (k as one page per sequence), LAUNCHES times each.
+PAGED_CHILD = GQA_PRELUDE + """
+B, H, Hkv, ctx = 32, 32, 4, 4096
+for dim, ps, window, sq in [(128, 16, None, 1), (64, 64, (4096, 0), 8), (128, 32, (-1, 0), 100), (128, 0, (1000, 0), 1)]:
+    lens = torch.randint(1, ctx + 1, (B,), dtype=torch.int32, device="cuda")
+    q = torch.randn(B, sq, H, dim, device="cuda").bfloat16()
+    if ps:
+        k = torch.randn(B * ctx // ps, ps, Hkv, dim, device="cuda").bfloat16()
+        kw = dict(block_table=torch.randperm(B * ctx // ps, device="cuda").int().view(B, -1), seq_lens_k=lens)
+    else:
+        k, kw = torch.randn(B, ctx, Hkv, dim, device="cuda").bfloat16(), {}
+    kw.update(sliding_window=window, sinks=torch.randn(H, device="cuda"), out=torch.empty_like(q))
+    hammer(f"gqa split-KV d{dim} page {ps} {window} rows {sq}", lambda: mate.gqa_attention(q, k, k, **kw))
+"""
+
+
+def test_gqa_split_kv_finishes_back_to_back_launches():
+    _finish([PAGED_CHILD, str(LAUNCHES)], 4, "gqa split-KV")

@@ -17,13 +17,20 @@ unit feature stride and 16-byte aligned pointer and strides (TMA). One kernel
 per (dtype, D, window class) serves every geometry, length and window of its
 class: `none` (no window), `causal` (LEFT unbounded, RIGHT bounded) and
 `local` (LEFT bounded). Varlen, sinks and softcap are compile-time variants of
-that kernel with its class's tiles, compiled at first use (not by mate-precompile);
-with none of them the call takes the plain kernel, unchanged. Paged caches are
-reference-only for now.
+that kernel with its class's tiles, compiled at first use (or by `mate-precompile --options`);
+with none of them the call takes the plain kernel, unchanged.
+
+Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per sequence
+(decode; k then counts as one page per sequence), run the split-KV kernel
+(mate/swa/kernels/gqa_decode.py: the query heads of a KV group packed into the tile's
+rows, each sequence's keys split across CTAs) and the merge stage of mate.qsa.merge,
+with sinks and softcap as runtime arguments: any page size natively, -1 and
+out-of-range page ids masked and never read.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -31,6 +38,7 @@ import torch
 
 from mate import _checks as C
 from mate import _debug, _dispatch
+from mate.qsa.merge import merge_attention_states
 from mate.swa import reference
 from mate.swa.kernels.gqa_card import NATIVE_DIMS
 
@@ -40,6 +48,14 @@ LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30
 
 STAGE = _dispatch.STAGES["gqa_fwd"]
+DECODE = _dispatch.STAGES["gqa_decode"]
+# Padded calls with at most this many query rows per sequence take the split-KV kernel (decode).
+DECODE_MAX_ROWS = 16
+# The split-KV grid aims at this many CTAs per multiprocessor (one to three are resident at the shipped
+# tiles; more waves even out the sequences' lengths), with at least MIN_SPLIT_TILES key tiles per split.
+CTAS_PER_SM = 8
+MIN_SPLIT_TILES = 4
+INT32_MAX = (1 << 31) - 1
 
 
 def parse_window(sliding_window) -> tuple[int, int]:
@@ -133,6 +149,73 @@ def _run_native_ext(p, o) -> torch.Tensor:
     return lse
 
 
+@functools.lru_cache(maxsize=64)
+def _padded_pages(device, batch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded call as the split-KV kernel's metadata: row offsets b * rows, sequence b's keys as its one page
+    (k [B, Sk, H_kv, D] is a cache of B pages of Sk slots) and a key count the kernel clamps to the page."""
+    cu = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device) if rows else torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    return cu, table, torch.full((batch,), INT32_MAX, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_splits(p, rows_max: int, group: int, capacity: int, tiles: dict) -> int:
+    """Key splits per (row tile, KV head, sequence): enough CTAs for CTAS_PER_SM on every multiprocessor,
+    each split at least MIN_SPLIT_TILES key tiles of the longest band the host can bound."""
+    keys = capacity if p.left < 0 else min(capacity, p.left + -(-rows_max // group) + max(p.right, 0))
+    ctas = p.batch * p.k.shape[-2] * -(-rows_max // tiles["block_m"])
+    most = max(1, -(-keys // (tiles["block_n"] * MIN_SPLIT_TILES)))
+    return max(1, min(most, -(-CTAS_PER_SM * _sm_count(p.q.device) // max(ctas, 1))))
+
+
+def _run_split_kv(p, o) -> torch.Tensor:
+    """Paged caches, and padded calls with few query rows (decode), on the split-KV kernel and the merge stage."""
+    q, k, v = p.q, p.k, p.v
+    varlen = p.cu_seqlens_q is not None
+    H, D = q.shape[-2], q.shape[-1]
+    if varlen:
+        cu_q, q_rows, rows_max = p.cu_seqlens_q.contiguous(), q, p.max_seqlen_q
+    else:
+        cu_q, table, seq_lens = _padded_pages(q.device, p.batch, q.shape[1])
+        q_rows, rows_max = q.reshape(-1, H, D), q.shape[1]
+    if p.block_table is not None:
+        table, seq_lens = p.block_table.contiguous(), p.seq_lens_k.contiguous()
+    R = q_rows.shape[0]
+    lse_rows = torch.empty(R, H, dtype=torch.float32, device=q.device)
+    if R and (k.shape[0] == 0 or k.shape[1] == 0 or table.shape[1] == 0):  # no keys: every row sees nothing but the sink
+        o.zero_()
+        lse_rows.copy_(p.sinks.view(1, H).expand(R, H) if p.sinks is not None else torch.full_like(lse_rows, float("-inf")))
+    elif R:
+        group = H // k.shape[-2]
+        tiles = _dispatch.tiles(DECODE.name, _spec(q.dtype, D, p.left, p.right), p.target)
+        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], tiles)
+        slots = splits + (p.sinks is not None)
+        part_o = torch.empty(slots, R, H, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(slots, R, H, dtype=torch.float32, device=q.device)
+        cu = C.canonical_unit_strides
+        scale_log2 = LOG2E if p.softcap else p.scale * LOG2E
+        _dispatch.kernel(DECODE.name, _spec(q.dtype, D, p.left, p.right), p.target)(
+            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q,
+            p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
+            part_o, part_lse, scale_log2, _runtime(p.left), _runtime(p.right), p.softcap or 0.0,
+            p.scale / p.softcap if p.softcap else 0.0, splits, rows_max * group, int(p.sinks is not None))
+        try:
+            o_rows = o.view(R, H, D)
+        except RuntimeError:  # a caller's out whose rows do not flatten: merge beside it, then copy
+            o_rows = None
+        merged, _ = merge_attention_states(part_o, part_lse, out=o_rows, lse=lse_rows, out_dtype=o.dtype)
+        if o_rows is None:
+            o.copy_(merged.view(o.shape))
+    if varlen:
+        return lse_rows.t().contiguous() if p.return_lse else lse_rows.t()
+    lse = lse_rows.view(p.batch, q.shape[1], H).permute(0, 2, 1)
+    return lse.contiguous() if p.return_lse else lse
+
+
 def gqa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,8 +253,9 @@ def gqa_attention(
     the softmax normaliser and the LSE (no value). A row with no visible key gets output 0 and
     LSE -inf (with sinks, the sink's logit). out, when given, is written in place and returned.
 
-    backend='tilelang' (sm90): BF16/FP16, D 64 or 128, padded or varlen, sinks and softcap;
-    paged caches run on backend='reference' only for now.
+    backend='tilelang' (sm90): BF16/FP16, D 64 or 128, every layout and option above; paged
+    caches (any page size) and padded calls of at most DECODE_MAX_ROWS rows take the split-KV
+    kernel and the SplitKV merge, which read nothing of unused pages or slots.
     """
     p = _resolve(**locals())  # first statement: locals() is exactly the parameters
     if p.backend == "reference":
@@ -182,7 +266,9 @@ def gqa_attention(
         out = o.to(p.q.dtype) if p.out is None else p.out.copy_(o)
     else:
         out = torch.empty_like(p.q, memory_format=torch.contiguous_format) if p.out is None else p.out
-        if p.plain:
+        if p.split_kv:
+            lse = _run_split_kv(p, out)
+        elif p.plain:
             lse = _run_native(p.q, p.k, p.v, out, p.left, p.right, p.scale, p.target)
         else:
             lse = _run_native_ext(p, out)
@@ -192,7 +278,8 @@ def gqa_attention(
 class Problem(NamedTuple):
     """One gqa_attention call, resolved and checked (immutable, built once per call); the window
     as (left, right) with -1 unbounded; softcap None when off; plain: padded, no sinks, no softcap
-    (the kernel as it was before those options); target for backend='tilelang' only."""
+    (the kernel as it was before those options); split_kv: the split-KV kernel runs it (a paged cache, or
+    padded q and k with at most DECODE_MAX_ROWS rows per sequence); target for backend='tilelang' only."""
 
     backend: str
     q: torch.Tensor
@@ -213,6 +300,7 @@ class Problem(NamedTuple):
     return_lse: bool
     out: torch.Tensor | None
     plain: bool
+    split_kv: bool
     target: str | None
 
 
@@ -328,15 +416,14 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if backend == "tilelang":
         C.native_dtype("q", q)
         _native_dim("q", D)
-        if paged:
-            raise ValueError("backend='tilelang' does not run paged caches (block_table) yet; use backend='reference'")
         for name, x in (("q", q), ("k", k), ("v", v)):
             C.vector_layout(name, x)
         if out is not None:
             C.vector_layout("out", out)
         target = _dispatch.target_of(q, "q")
+    split_kv = paged or (not varlen_q and not varlen_k and q.shape[1] <= DECODE_MAX_ROWS)
     return Problem(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
-                   batch, left, right, sinks, softcap, mult, return_lse, out, plain, target)
+                   batch, left, right, sinks, softcap, mult, return_lse, out, plain, split_kv, target)
 
 
 def _debug_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k) -> None:

@@ -128,6 +128,13 @@ def _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, sta
             elif seq_k is not None:
                 ok = ok & (key >= fresh)
             acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], NEG_INF)
+    online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
+
+
+@T.macro
+def online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n):
+    """One key tile of the online softmax on masked scores (-inf): the running max and sum move on,
+    alpha is the output's rescale, acc_s becomes P (FP32)."""
     T.copy(m_run, m_prev)
     T.reduce_max(acc_s, m_run, dim=1, clear=False)
     for i in T.Parallel(block_m):

@@ -26,16 +26,21 @@ def _limits(spec, t):
         return why
     if wgs > MAX_CONSUMERS:
         return f"more than {MAX_CONSUMERS} consumer warpgroups (plus the producer) exceed 512 threads"
+    return tile_limits(spec, t, consumer_regs_cap(wgs), SPARE_REGS)
+
+
+def tile_limits(spec, t, regs_cap: int, spare: int) -> str | None:
+    """The limits of the GQA programs' tiles: block_n a wgmma N; Q (O reuses it) and a K/V ring of num_stages
+    stages in shared memory; S, O (FP32) and P (16-bit) plus `spare` in regs_cap registers per thread."""
     if t["block_n"] % 16 or t["block_n"] > WGMMA_N_MAX:
         return f"block_n {t['block_n']} is not a wgmma N (multiple of 16, at most {WGMMA_N_MAX})"
     d = spec["dim"]
     smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d)  # Q (O reuses it), K and V rings
     if smem > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    cap = consumer_regs_cap(wgs)
     regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"]  # S, O (FP32) and P (16-bit)
-    if regs + SPARE_REGS > cap:
-        return f"{regs} accumulator registers per consumer thread + {SPARE_REGS} > {cap}"
+    if regs + spare > regs_cap:
+        return f"{regs} accumulator registers per consumer thread + {spare} > {regs_cap}"
     return None
 
 

@@ -1,0 +1,26 @@
+"""Stage card of GQA split-KV attention over a paged cache (mate.swa.kernels.gqa_decode).
+
+Importable without TileLang. The resource model follows the program's buffers: the packed
+query tile, the K and V rings in shared memory (cp.async, `num_stages` deep); S, P and O in
+the registers of one warpgroup per 64 packed rows.
+"""
+
+from mate._hopper import MAX_REGS, warpgroups
+from mate._stage import Stage
+from mate.swa.kernels.gqa_card import tile_limits
+
+SPARE_REGS = 40  # addresses, page ids and loop state beside the accumulators
+
+
+def _limits(spec, t):
+    # One warpgroup per 64 rows and no producer: every thread may hold MAX_REGS registers.
+    return warpgroups(t["threads"], t["block_m"], "block_m") or tile_limits(spec, t, MAX_REGS, SPARE_REGS)
+
+
+STAGE = Stage(
+    "gqa_decode", "mate.swa.kernels.gqa_decode", "gqa_decode",
+    space=dict(block_m=(64, 128), block_n=(32, 64, 128), threads=(128, 256), num_stages=(2, 3, 4)),
+    keys=("dtype", "dim", "window"),
+    limits=_limits,
+    pass_configs="PASS_CONFIGS",
+)
