@@ -233,11 +233,9 @@ def decode(args) -> dict:
 
     lens = torch.full((nd,), ctx, dtype=torch.int32, device=dev)
     if args.tiles:  # compile the other tiles in parallel first (one after another at first use: minutes)
-        from mate import precompile
-
         keys = {gqa_config_key(torch.bfloat16, D, w) for w in [(-1, 0), (4096, 0)]}
         jobs = [("gqa_decode", key, tiles, True) for key in keys for tiles in args.tiles]
-        for job, (_, error) in precompile.build_all(jobs, "sm90", 16):
+        for job, (_, error) in compile_kernels(jobs, 16):
             assert error is None, (job, error)
     for ps in (16, 64):
         pages = nd * ctx // ps

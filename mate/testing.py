@@ -423,6 +423,21 @@ def gqa_fwd_workload(spec, shape):
             lambda: mate.gqa_attention(q, k, v, sliding_window=window, return_lse=True, backend="reference"))
 
 
+def gqa_decode_workload(spec, shape):
+    """`batch` sequences of `rows` query rows at the end of `context` keys in a paged cache (`page`-token
+    pages in random order), the key's window (`local`: (4096, 0)); the reference reads the same cache."""
+    B, ctx, rows, ps, H, Hkv = (shape[n] for n in ("batch", "context", "rows", "page", "heads", "kv_heads"))
+    d = spec["dim"]
+    window = {"none": None, "causal": (-1, 0), "local": (4096, 0)}[spec["window"]]
+    dt = getattr(torch, spec["dtype"])
+    pages = B * -(-ctx // ps)
+    kc, vc = (torch.randn(pages, ps, Hkv, d, device="cuda").to(dt) for _ in range(2))
+    kw = dict(block_table=torch.randperm(pages, device="cuda").int().view(B, -1), sliding_window=window,
+              seq_lens_k=torch.full((B,), ctx, dtype=torch.int32, device="cuda"), return_lse=True)
+    q = torch.randn(B, rows, H, d, device="cuda").to(dt)
+    return (lambda: mate.gqa_attention(q, kc, vc, **kw), lambda: mate.gqa_attention(q, kc, vc, **kw, backend="reference"))
+
+
 def qsa_attention_workload(spec, shape):
     """Paged decode rows: `batch` requests of `context` tokens, each with `width` random tokens of its own pages.
 

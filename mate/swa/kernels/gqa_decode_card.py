@@ -23,4 +23,9 @@ STAGE = Stage(
     keys=("dtype", "dim", "window"),
     limits=_limits,
     pass_configs="PASS_CONFIGS",
+    shapes=dict(quick=[dict(batch=16, context=4096, rows=1, page=64, heads=64, kv_heads=8)],
+                full=[dict(batch=64, context=8192, rows=1, page=64, heads=64, kv_heads=8),
+                      dict(batch=64, context=8192, rows=4, page=16, heads=64, kv_heads=8)]),
+    workload="gqa_decode_workload",
+    tol=1e-2,
 )
