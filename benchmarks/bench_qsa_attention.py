@@ -3,6 +3,14 @@ per-head BF16 gate, 2051-slot selections (512 random complete causal 4-token blo
 then the row's incomplete tail block, -1 where absent).
 
   python benchmarks/bench_qsa_attention.py [--batches 1 8 64 256] [--prefill-rows 4096] [--splits 1 2 4 8 16 32]
+  python benchmarks/bench_qsa_attention.py --variants main=old_sparse.py new=- main_again=old_sparse.py
+
+`--variants NAME=FILE ...` is the same-run A/B of attention programs (FILE: another version of
+mate/qsa/kernels/sparse.py with the same program signature, `-` the shipped one; mate.testing.program_variants):
+every case is checked and timed (cold and back-to-back graph) under each in turn, in the order given, and a
+table closes the output. The baseline and the split sweep are skipped then. With `--profile`, each
+variant's checked call runs once more between cudaProfilerStart/Stop instead of being timed, for
+`ncu --profile-from-start off` (its kernels in the order variant by variant, case by case).
 
 Roofline: decode bytes / 4.3 TB/s (DRAM); prefill bytes / 20 TB/s (L2: 17 GB gathered from a
 67 MB working set).
@@ -30,7 +38,7 @@ import torch.nn.functional as F
 from common import PEAK_BYTES, RESULTS, capture_graph, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
-from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
+from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem
 
 HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
@@ -62,18 +70,21 @@ def torch_baseline(p, rows_per_req, chunk=256):
     return out
 
 
+def checked_call(name, p):
+    """The call to time, after a check of its result against the reference; (call, relative error)."""
+    ref = mate.qsa_sparse_attention(**p, backend="reference")
+    out = mate.qsa_sparse_attention(**p)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    assert err < 1e-2, f"{name}: relative error {err:.2e} against the reference"
+    return lambda: mate.qsa_sparse_attention(**p), err
+
+
 def measure(name, p, rows_per_req, splits, hint=None):
     rows, width = p["token_indices"].shape
     valid = int((p["token_indices"] >= 0).sum())  # selected tokens that exist (the tail's -1 pads gather nothing)
     gbytes = valid * HKV * D * 2 * 2 / 1e9
     gflop = 4 * HQ * valid * D / 1e9
-    ref = mate.qsa_sparse_attention(**p, backend="reference")
-    out = mate.qsa_sparse_attention(**p)
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    assert err < 1e-2, f"{name}: relative error {err:.2e} against the reference"
-
-    def call():
-        return mate.qsa_sparse_attention(**p)
+    call, err = checked_call(name, p)
 
     res = dict(case=name, rows=rows, tokens=width, gbytes=gbytes, gflop=gflop, rel_err=err,
                eager_us=median_ms(call) * 1e3, graph_us=graph_ms(call) * 1e3,
@@ -95,22 +106,65 @@ def measure(name, p, rows_per_req, splits, hint=None):
     return res
 
 
+def problems(args):
+    """(name, inputs, rows per request, block hint or None) of each case the arguments ask for, built one at a time."""
+    gen = torch.Generator().manual_seed(0)
+    for b in args.batches:
+        yield f"decode b={b}", qsa_serving_problem(gen, b, 1)[0], 1, None
+        torch.cuda.empty_cache()
+    if args.prefill_rows:
+        p, hint = qsa_serving_problem(gen, 1, args.prefill_rows)
+        yield f"prefill rows={args.prefill_rows}", p, args.prefill_rows, hint
+
+
+def compare(args) -> list:
+    """Every case under each program of --variants in turn: cold and back-to-back graph times (us)."""
+    sources = dict(v.split("=", 1) for v in args.variants)
+    sources = {k: None if f == "-" else f for k, f in sources.items()}
+    cases = []
+    with program_variants("qsa_attention", sources) as use:
+        for name, p, _, hint in problems(args):
+            res = dict(case=name)
+            for variant in sources:
+                use(variant)
+                call, err = checked_call(f"{name} ({variant})", p)
+                if args.profile:
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStart()
+                    call()
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStop()
+                    print(f"{name} [{variant}]: profiled", flush=True)
+                    continue
+                res[variant] = dict(rel_err=err, cold_us=cold_graph_us(call), graph_us=graph_ms(call) * 1e3)
+                if hint is not None:
+                    res[variant]["hint_cold_us"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
+                print(f"{name} [{variant}]: cold graph {res[variant]['cold_us']:.1f} us, back-to-back graph "
+                      f"{res[variant]['graph_us']:.1f} us" + (f", block hint cold {res[variant]['hint_cold_us']:.1f} us"
+                                                              if hint is not None else ""), flush=True)
+            cases.append(res)
+    if args.profile:
+        return cases
+    print("case | " + " | ".join(f"{v} cold / warm" for v in sources))
+    for c in cases:
+        print(c["case"] + " | " + " | ".join(f"{c[v]['cold_us']:.1f} / {c[v]['graph_us']:.1f}" for v in sources))
+    return cases
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64, 256])
     ap.add_argument("--prefill-rows", type=int, default=4096)
     ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
+    ap.add_argument("--profile", action="store_true", help="with --variants: one call each for ncu, no timing")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
     args = ap.parse_args(argv)
-    gen = torch.Generator().manual_seed(0)
-    cases = []
-    for b in args.batches:
-        cases.append(measure(f"decode b={b}", qsa_serving_problem(gen, b, 1)[0], 1, args.splits))
-        torch.cuda.empty_cache()
-    if args.prefill_rows:
-        p, hint = qsa_serving_problem(gen, 1, args.prefill_rows)
-        cases.append(measure(f"prefill rows={args.prefill_rows}", p, args.prefill_rows, [1], hint=hint))
-    result = dict(environment(), cases=cases)
+    if args.variants:
+        cases = compare(args)
+    else:
+        cases = [measure(name, p, rpr, args.splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
+    result = dict(environment(), cases=cases, variants=args.variants)
     write_json(args.out, result)
     return result
 

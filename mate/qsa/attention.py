@@ -186,7 +186,7 @@ class Problem(NamedTuple):
     "paged", "varlen" (reference only) or "physical"; n_req is None for physical ids. For
     backend='tilelang' the rest holds the target and the row views the kernels take (query,
     indices, hint, positions, out, lse and gate with their batch/query axes as one row axis,
-    FP32 gate per element, out and lse allocated where the caller passed none).
+    the gate per element (merge.gate_rows), out and lse allocated where the caller passed none).
 
     Immutable and built once per call; a NamedTuple because a frozen dataclass costs about
     2 us more to build, which launch-bound decode calls would feel.
@@ -229,7 +229,7 @@ class NativeRows(NamedTuple):
     query_positions: torch.Tensor | None
     o: torch.Tensor
     lse_rows: torch.Tensor  # the placeholder when no lse is wanted
-    gate: torch.Tensor  # FP32 [rows, Hq, D], or the placeholder
+    gate: torch.Tensor | None  # [rows, Hq, D] in the query's dtype or FP32 (merge.gate_rows)
 
 
 def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k,
@@ -508,11 +508,7 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     if want_lse and lse is None:
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=dev)
     lse_rows = _rows("lse", lse, lead) if want_lse else _dispatch.placeholder(dev, torch.float32, 2)
-    if gate is not None:
-        g = _rows("gate", gate, lead).float()
-        g = g if g.dim() == 3 else g.unsqueeze(-1).expand(q.shape[0], *query.shape[-2:])
-    else:
-        g = _dispatch.placeholder(dev, torch.float32, 3)
+    g = None if gate is None else merge.gate_rows(_rows("gate", gate, lead), query.dtype, (q.shape[0], *query.shape[-2:]))
     return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g)
 
 
@@ -531,7 +527,6 @@ def native(p: Problem):
         | (kernels.PAGED if p.kv_layout == "paged" else 0)
         | (kernels.HAS_BLOCKS if r.block_indices is not None else 0)
         | (kernels.COMPACT_BLOCKS if p.compact else 0)
-        | (kernels.HAS_GATE if p.gate is not None else 0)
         | (kernels.WRITE_LSE if want_lse else 0)
     )
     if p.kv_layout == "physical":
@@ -566,8 +561,9 @@ def native(p: Problem):
     spec = {"dtype": str(p.query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
     attend = _dispatch.kernel(ATTENTION.name, spec, r.target)
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
+    g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, dev, flags)
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
-            opt(p.seq_lens_k, 1), opt(r.query_positions, 1), r.gate)
+            opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1:
         attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)

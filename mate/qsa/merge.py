@@ -27,14 +27,32 @@ STAGE = _dispatch.STAGES["qsa_merge"]
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def gate_rows(gate: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A gate as the kernels read it: `shape` [rows, heads, D] (a per-head gate expanded, not copied), in `dtype`
+    (the output's) when it has that dtype, else an FP32 copy."""
+    g = gate if gate.dtype == dtype else gate.float()
+    return g if g.dim() == 3 else g.unsqueeze(-1).expand(shape)
+
+
+def gate_buffers(gate: torch.Tensor | None, dtype: torch.dtype, device, flags: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernels' two gate buffers (G: FP32, GH: `dtype`) and flags, for a gate_rows() result or None: the gate
+    in one, a placeholder in the other."""
+    g32, gh = _dispatch.placeholder(device, torch.float32, 3), _dispatch.placeholder(device, dtype, 3)
+    if gate is None:
+        return g32, gh, flags
+    if gate.dtype == dtype:
+        return g32, gate, flags | kernels.HAS_GATE | kernels.GATE_NATIVE
+    return gate, gh, flags | kernels.HAS_GATE
+
+
 def launch(partial_out, partial_lse, gate, out, lse, flags, target):
-    """The merge kernel on [splits, rows, heads, D] partials; gate is FP32 [rows, heads, D] or None, lse may be
-    None when flags lacks WRITE_LSE. Also the last step of SplitKV sparse attention."""
+    """The merge kernel on [splits, rows, heads, D] partials; gate is a gate_rows() result or None (flags gain
+    its bits here), lse may be None when flags lacks WRITE_LSE. Also the last step of SplitKV sparse attention."""
     dev = partial_out.device
     spec = {"pdtype": str(partial_out.dtype).removeprefix("torch."), "odtype": str(out.dtype).removeprefix("torch.")}
+    g, gh, flags = gate_buffers(gate, out.dtype, dev, flags)
     _dispatch.kernel(STAGE.name, spec, target)(
-        partial_out, partial_lse, _dispatch.placeholder(dev, torch.float32, 3) if gate is None else gate, out,
-        _dispatch.placeholder(dev, torch.float32, 2) if lse is None else lse, flags,
+        partial_out, partial_lse, g, gh, out, _dispatch.placeholder(dev, torch.float32, 2) if lse is None else lse, flags,
     )
 
 
@@ -134,9 +152,8 @@ def _native(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(p.out_shape, dtype=p.dtype, device=dev) if p.out is None else p.out
     lse = torch.empty(p.row_shape, dtype=torch.float32, device=dev) if p.lse is None else p.lse
     if out.numel():
-        gate = p.gate
-        g = None if gate is None else (gate.float() if gate.dim() == 3 else gate.float().unsqueeze(-1).expand(p.out_shape))
-        launch(p.partial_out, p.partial_lse, g, out, lse, kernels.WRITE_LSE | (kernels.HAS_GATE if g is not None else 0), p.target)
+        g = None if p.gate is None else gate_rows(p.gate, p.dtype, p.out_shape)
+        launch(p.partial_out, p.partial_lse, g, out, lse, kernels.WRITE_LSE, p.target)
     elif lse.numel():
         lse.fill_(float("-inf"))
     return out, lse

@@ -33,7 +33,11 @@ Where the time goes (H200, benchmarks/results/qsa_attention_h200.json): the
 consumer is latency-bound at about 1.4 us per 64-token tile (32 wgmmas of
 N = 16 and a cross-warp max; the tensor pipe is 5% busy), so a grid with two
 CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
-(configs: `wide`).
+(configs: `wide`). At decode sizes a CTA has a tile or two, so its straight-line
+prologue and epilogue weigh as much as its tiles: binding the group size and
+the softmax sum's reciprocal once took the split kernel's SASS from 121 to 77
+KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -65,7 +69,7 @@ ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-f
 M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an all-masked tile is 1
 LOG2E = 1.4426950408889634
 
-# flags bits
+# flags bits (an absent buffer's flag is 0)
 HAS_SEQ_LENS_Q = 1
 HAS_SEQ_LENS_K = 2
 HAS_POSITIONS = 4
@@ -74,6 +78,7 @@ HAS_BLOCKS = 16
 COMPACT_BLOCKS = 32
 HAS_GATE = 64
 WRITE_LSE = 128
+GATE_NATIVE = 256  # with HAS_GATE: the gate is GH, in the output's dtype (no FP32 copy made first), not G
 
 # The program places its own barriers (mbarriers between the roles, named barriers inside
 # each), which TileLang 0.1.15's sync planner cannot prove warp-uniform; its token
@@ -250,25 +255,42 @@ def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, 
     T.barrier_arrive(empty[st])
 
 
+def gate_at(G, GH, flags, r, h, d):
+    """The gate at (r, h, d) in FP32: from GH (the output's dtype) under GATE_NATIVE, else from G (FP32). Each
+    index is clamped to its own buffer, so that a read of the other one (a 1-element placeholder) stays inside it."""
+    at = lambda X: X[T.min(r, X.shape[0] - 1), T.min(h, X.shape[1] - 1), T.min(d, X.shape[2] - 1)]  # noqa: E731
+    return T.if_then_else((flags & GATE_NATIVE) != 0, T.cast(at(GH), "float32"), at(G))
+
+
 @T.macro
-def _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile):
+def _reciprocal(l_sum, inv, head_tile):
+    """1 / l_sum per head (0 where nothing was visible): one division a head, not one per output element
+    (each an IEEE division with its slow-path call in the SASS)."""
+    for h in T.Parallel(head_tile):
+        inv[h] = T.if_then_else(l_sum[h] > 0, 1.0 / l_sum[h], 0)
+
+
+@T.macro
+def _store_partial(O, LSE, acc, m_cur, l_sum, inv, sp, row, h0, group, scale, head_tile):
     """split: this share's FP32 partial output and LSE, for `merge`."""
+    _reciprocal(l_sum, inv, head_tile)
     for d, h in T.Parallel(DIM, head_tile):
         if h < group:
-            O[sp, row, h0 + h, d] = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
+            O[sp, row, h0 + h, d] = acc[d, h] * inv[h]
     for h in T.Parallel(head_tile):
         if h < group:
             LSE[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
 @T.macro
-def _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile):
+def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, flags, head_tile):
     """No split: the output (gated when asked) in the caller's dtype, and the LSE when asked."""
+    _reciprocal(l_sum, inv, head_tile)
     gated = (flags & HAS_GATE) != 0
     for d, h in T.Parallel(DIM, head_tile):
         if h < group:
-            o = T.if_then_else(l_sum[h] > 0, acc[d, h] / l_sum[h], 0)
-            gv = T.if_then_else(gated, G[T.min(row, RG - 1), T.min(h0 + h, HG - 1), T.min(d, DG - 1)], 0)
+            o = acc[d, h] * inv[h]
+            gv = T.if_then_else(gated, gate_at(G, GH, flags, row, h0 + h, d), 0)
             O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
     if (flags & WRITE_LSE) != 0:
         for h in T.Parallel(head_tile):
@@ -281,10 +303,12 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
     threads = 256  # producer warpgroup + consumer warpgroup
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
     NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
+    RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
     (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
         "sqr sqh sqd skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
     )
     sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
+    shr, shh, shd = T.dynamic("shr shh shd", "int64")
     odtype = "float32" if split else dtype
     if split:
         o_shape, o_strides = (SPL, RO, HO, DIM), None
@@ -306,6 +330,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
         QP: T.StridedTensor((NQP,), (sqp,), "int32"),
         G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
         O: T.StridedTensor(o_shape, o_strides, odtype) if not split else T.Tensor(o_shape, odtype),
         LSE: T.StridedTensor(l_shape, l_strides, "float32") if not split else T.Tensor(l_shape, "float32"),
         scale: T.float32,
@@ -344,6 +369,10 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             T.assume(svs % 8 == 0)
             T.assume(svh % 8 == 0)
 
+            # bound once: as expressions, the division and its floor fixups are re-emitted (int64 in the
+            # output's index) in every unrolled load and store
+            group = T.alloc_var("int32")
+            h0 = T.alloc_var("int32")
             group = HQ // HKV
             h0 = kvh * group
             _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
@@ -380,15 +409,15 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                     _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    _store_partial(O, LSE, acc, m_cur, l_sum, sp, row, h0, group, scale, head_tile)
+                    _store_partial(O, LSE, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
                 else:
-                    _store_output(O, LSE, G, acc, m_cur, l_sum, row, h0, group, scale, flags, RG, HG, DG, head_tile)
+                    _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
 
     return main
 
 
 @T.macro
-def _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, unroll, odtype):
+def _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, unroll, odtype):
     """One (row, head) of the merge, `unroll` splits a step: their loads go out together (predicated on the
     split count only) and are masked afterwards; a load under the -inf test of the one before it waited
     for it (16 splits of one row: 20.4 us, 15.4 us this way, H200). st holds the running max, the sum
@@ -419,7 +448,7 @@ def _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG,
                 st[2] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]) * ps[j], 0)
         if i * threads + tx < D:
             o = T.if_then_else(st[1] > 0, st[2] / st[1], 0)
-            gv = T.if_then_else(gated, G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(d, DG - 1)], 0)
+            gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d), 0)
             O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
     if ((flags & WRITE_LSE) != 0) & (tx == 0):
         LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
@@ -434,13 +463,13 @@ def merge(pdtype, odtype, threads):
     """SplitKV merge, one CTA per (row, head): lse = log sum_s exp(l_s), out = sum_s exp(l_s - lse) o_s.
 
     A split with l_s = -inf is skipped (its partial is never read); a row with no
-    live split gets 0 and -inf. The gate (FP32, flag HAS_GATE) multiplies the merged
+    live split gets 0 and -inf. The gate (flag HAS_GATE: G in FP32, or GH in odtype) multiplies the merged
     output by sigmoid(gate). Strides are runtime, so this also serves the public
     `merge_attention_states` on caller-made partials.
     """
-    S, R, H, D, RG, HG, DG, RL, HL = T.dynamic("S R H D RG HG DG RL HL")
-    sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, sor, soh, sod, smr, smh = T.dynamic(
-        "sps spr sph spd sls slr slh sgr sgh sgd sor soh sod smr smh", "int64"
+    S, R, H, D, RG, HG, DG, RGH, HGH, DGH, RL, HL = T.dynamic("S R H D RG HG DG RGH HGH DGH RL HL")
+    sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, shr, shh, shd, sor, soh, sod, smr, smh = T.dynamic(
+        "sps spr sph spd sls slr slh sgr sgh sgd shr shh shd sor soh sod smr smh", "int64"
     )
     few, many = MERGE_UNROLL
 
@@ -449,6 +478,7 @@ def merge(pdtype, odtype, threads):
         PO: T.StridedTensor((S, R, H, D), (sps, spr, sph, spd), pdtype),
         PL: T.StridedTensor((S, R, H), (sls, slr, slh), "float32"),
         G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), odtype),
         O: T.StridedTensor((R, H, D), (sor, soh, sod), odtype),
         LSE: T.StridedTensor((RL, HL), (smr, smh), "float32"),
         flags: T.int32,
@@ -461,8 +491,8 @@ def merge(pdtype, odtype, threads):
             ps = T.alloc_local((many,), "float32")
             st = T.alloc_local((3,), "float32")
             if S <= 2 * few:
-                _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, few, odtype)
+                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, few, odtype)
             else:
-                _merge_row(PO, PL, G, O, LSE, ls, ps, st, flags, r, h, tx, S, D, RG, HG, DG, threads, many, odtype)
+                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, many, odtype)
 
     return main
