@@ -411,10 +411,16 @@ def mqa_decode_workload(spec, shape):
             lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend="reference"))
 
 
+def _gqa_window(spec, shape):
+    """The sliding_window of a GQA workload: its config key's window class (`local`: the shape's window,
+    default (4096, 0))."""
+    return {"none": None, "causal": (-1, 0), "local": tuple(shape.get("window", (4096, 0)))}[spec["window"]]
+
+
 def gqa_fwd_workload(spec, shape):
-    """B 1, `seq` queries and keys, the key's window (`local`: the shape's window, default (4096, 0)), with the LSE."""
+    """B 1, `seq` queries and keys, the key's window (_gqa_window), with the LSE."""
     S, H, Hkv, d = shape["seq"], shape["heads"], shape["kv_heads"], spec["dim"]
-    window = {"none": None, "causal": (-1, 0), "local": tuple(shape.get("window", (4096, 0)))}[spec["window"]]
+    window = _gqa_window(spec, shape)
     dt = getattr(torch, spec["dtype"])
     q = torch.randn(1, S, H, d, device="cuda").to(dt)
     k = torch.randn(1, S, Hkv, d, device="cuda").to(dt)
@@ -425,10 +431,10 @@ def gqa_fwd_workload(spec, shape):
 
 def gqa_decode_workload(spec, shape):
     """`batch` sequences of `rows` query rows at the end of `context` keys in a paged cache (`page`-token
-    pages in random order), the key's window (`local`: (4096, 0)); the reference reads the same cache."""
+    pages in random order), the key's window (_gqa_window); the reference reads the same cache."""
     B, ctx, rows, ps, H, Hkv = (shape[n] for n in ("batch", "context", "rows", "page", "heads", "kv_heads"))
     d = spec["dim"]
-    window = {"none": None, "causal": (-1, 0), "local": (4096, 0)}[spec["window"]]
+    window = _gqa_window(spec, shape)
     dt = getattr(torch, spec["dtype"])
     pages = B * -(-ctx // ps)
     kc, vc = (torch.randn(pages, ps, Hkv, d, device="cuda").to(dt) for _ in range(2))

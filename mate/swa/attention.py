@@ -138,15 +138,23 @@ def _run_native_ext(p, o) -> torch.Tensor:
     four = (lambda x: x.unsqueeze(0)) if varlen else (lambda x: x)
     cu = C.canonical_unit_strides
     hold = _dispatch.placeholder(q.device, torch.int32, 1)
-    # With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units.
-    scale_log2 = LOG2E if p.softcap else p.scale * LOG2E
-    # The kernel reads offsets and sinks as dense vectors: a strided view goes in as a copy (captured with the call).
+    # The kernel reads offsets as dense vectors: a strided view goes in as a copy (captured with the call).
     kern(cu(four(q)), cu(four(k)), cu(four(v)), cu(four(o)), four(lse),
          p.cu_seqlens_q.contiguous() if varlen else hold, p.cu_seqlens_k.contiguous() if varlen else hold,
-         p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
-         scale_log2, _runtime(p.left), _runtime(p.right), p.softcap or 0.0, p.scale / p.softcap if p.softcap else 0.0,
-         p.max_seqlen_q if varlen else 0)
+         _sinks_arg(p), *_softmax_args(p), p.max_seqlen_q if varlen else 0)
     return lse
+
+
+def _sinks_arg(p) -> torch.Tensor:
+    """The sinks as both kernels read them: a dense vector (a strided view goes in as a copy), or a placeholder."""
+    return p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(p.q.device, torch.float32, 1)
+
+
+def _softmax_args(p) -> tuple:
+    """Both kernels' softmax arguments: scale * log2(e), the window as runtime bounds, softcap and scale / softcap.
+    With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units."""
+    return (LOG2E if p.softcap else p.scale * LOG2E, _runtime(p.left), _runtime(p.right), p.softcap or 0.0,
+            p.scale / p.softcap if p.softcap else 0.0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,18 +199,15 @@ def _run_split_kv(p, o) -> torch.Tensor:
         lse_rows.copy_(p.sinks.view(1, H).expand(R, H) if p.sinks is not None else torch.full_like(lse_rows, float("-inf")))
     elif R:
         group = H // k.shape[-2]
-        tiles = _dispatch.tiles(DECODE.name, _spec(q.dtype, D, p.left, p.right), p.target)
-        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], tiles)
+        spec = _spec(q.dtype, D, p.left, p.right)
+        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], _dispatch.tiles(DECODE.name, spec, p.target))
         slots = splits + (p.sinks is not None)
         part_o = torch.empty(slots, R, H, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(slots, R, H, dtype=torch.float32, device=q.device)
         cu = C.canonical_unit_strides
-        scale_log2 = LOG2E if p.softcap else p.scale * LOG2E
-        _dispatch.kernel(DECODE.name, _spec(q.dtype, D, p.left, p.right), p.target)(
-            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q,
-            p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(q.device, torch.float32, 1),
-            part_o, part_lse, scale_log2, _runtime(p.left), _runtime(p.right), p.softcap or 0.0,
-            p.scale / p.softcap if p.softcap else 0.0, splits, rows_max * group, int(p.sinks is not None))
+        _dispatch.kernel(DECODE.name, spec, p.target)(
+            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p), part_o, part_lse, *_softmax_args(p),
+            splits, rows_max * group, int(p.sinks is not None))
         try:
             o_rows = o.view(R, H, D)
         except RuntimeError:  # a caller's out whose rows do not flatten: merge beside it, then copy
