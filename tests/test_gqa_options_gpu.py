@@ -10,6 +10,7 @@ import torch
 
 import garbage as G
 import mate
+from mate.testing import capture_graph
 from test_gqa_gpu import assert_attention_matches, run_both
 from mate.swa.kernels.gqa_card import WINDOWS as WINDOW_CLASSES
 
@@ -123,20 +124,6 @@ def test_varlen_garbage_outside_the_sequences_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
 
 
-def captured(call):
-    """A CUDA graph of call(), after a warm-up that compiles outside the capture and one on a side stream."""
-    call()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    return g
-
-
 def replay_matches_reference(g, q, k, v, kw):
     """New queries, kw["out"] poisoned, one replay of g: the output is the reference's on the current inputs."""
     out = kw["out"]
@@ -154,7 +141,7 @@ def test_varlen_cuda_graph_replay_uses_current_offsets():
     sinks = torch.randn(8, device="cuda")
     out = torch.empty_like(q)
     kw = dict(sliding_window=(256, 0), sinks=sinks, softcap=20.0, out=out, **meta)
-    g = captured(lambda: mate.gqa_attention(q, k, v, **kw))
+    g, _ = capture_graph(lambda: mate.gqa_attention(q, k, v, **kw))
     for perm in ([5, 4, 3, 2, 1, 0], [2, 0, 1, 5, 3, 4]):
         meta["cu_seqlens_q"].copy_(offsets([LENS_Q[i] for i in perm]))
         meta["cu_seqlens_k"].copy_(offsets([LENS_K[i] for i in perm], HEAD))
@@ -244,7 +231,7 @@ def test_paged_decode_cuda_graph_replay_uses_current_table_and_lengths():
     q = randn(B, 1, H, D, dtype=BF16)
     out = torch.empty_like(q)
     kw = dict(block_table=table, seq_lens_k=lens, sliding_window=(1000, 0), sinks=torch.randn(H, device="cuda"), softcap=20.0, out=out)
-    g = captured(lambda: mate.gqa_attention(q, k, v, **kw))
+    g, _ = capture_graph(lambda: mate.gqa_attention(q, k, v, **kw))
     for step in range(3):
         lens.copy_(torch.tensor([500 - step, 1 + step, 2000 - 7 * step, 64 + step, step, 1234], dtype=torch.int32))
         table.copy_(table[torch.randperm(B, device="cuda")])  # other pages, the same capacity

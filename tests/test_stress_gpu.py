@@ -13,6 +13,7 @@ interrupted from Python; the child is killed and the test names the case it
 was on.
 """
 
+import itertools
 import json
 import subprocess
 import sys
@@ -43,24 +44,32 @@ ONE_STAGE = {
     ],
 }
 
-CHILD = """
-import contextlib, json, sys, torch
+# Every child starts with HAMMER: hammer(name, call) runs one case LAUNCHES times back to back (the last
+# command-line argument), between the `started NAME` and `finished NAME` lines that _finish reads.
+HAMMER = """
+import sys, torch
+launches = int(sys.argv[-1])
+def hammer(name, call):
+    print("started", name, flush=True)
+    for i in range(launches):
+        call()
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print("finished", name, flush=True)
+"""
+
+CHILD = HAMMER + """
+import contextlib, json
 from mate import _dispatch
 from mate.testing import using_tiles
 from tuning.stages import TUNABLES
-stage, cases, launches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+stage, cases = sys.argv[1], json.loads(sys.argv[2])
 tunable = TUNABLES[stage]
 for key, tiles in cases:
-    name = f"{key} {tiles or 'shipped'}"
     with using_tiles("sm90", stage, key, tiles) if tiles else contextlib.nullcontext():
         native = tunable.workload(_dispatch.parse_key(key), tunable.shapes["quick"][0])[0]
-        print("started", name, flush=True)
-        for i in range(launches):
-            native()
-            if i % 50 == 49:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
-    print("finished", name, flush=True)
+        hammer(f"{key} {tiles or 'shipped'}", native)
 """
 
 
@@ -68,14 +77,14 @@ def _lines(text, word):
     return [line.split(" ", 1)[1] for line in (text or "").splitlines() if line.startswith(word + " ")]
 
 
-def _finish(child_args, n_cases, what):
+def _finish(child_args, n_cases, what, cwd=ROOT, limit_s=LIMIT_S):
     """Run a child script (it prints `started NAME` / `finished NAME` per case) and require all n_cases to finish in time."""
     try:
-        proc = subprocess.run([sys.executable, "-c", *child_args], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
+        proc = subprocess.run([sys.executable, "-c", *child_args], cwd=cwd, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
         started = _lines(out, "started")
-        pytest.fail(f"{what}: not finished within {LIMIT_S} s; {len(_lines(out, 'finished'))} of {n_cases} cases done, "
+        pytest.fail(f"{what}: not finished within {limit_s} s; {len(_lines(out, 'finished'))} of {n_cases} cases done, "
                     f"the last one started: {started[-1] if started else 'none'} (a hung kernel?)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_lines(proc.stdout, "finished")) == n_cases
@@ -101,18 +110,9 @@ def test_one_stage_rings_of_generated_producers_finish(stage):
     _run(stage, ONE_STAGE[stage])
 
 
-# gqa_attention's children (issue 17): hammer(name, call) runs one case LAUNCHES times back to back.
-GQA_PRELUDE = """
-import sys, torch, mate
-launches = int(sys.argv[1])
-def hammer(name, call):
-    print("started", name, flush=True)
-    for i in range(launches):
-        call()
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    print("finished", name, flush=True)
+# gqa_attention's children (issue 17).
+GQA_PRELUDE = HAMMER + """
+import mate
 """
 
 # The option variants (varlen, sinks, softcap), which take the tiles of their window class's entry: all
@@ -133,41 +133,57 @@ def test_gqa_option_variants_finish_back_to_back_launches():
     _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")
 
 
-# The NSA backward kernels (BACKWARD): forward + backward of every key of the shipped config,
-# LAUNCHES times back to back (each backward launches the dq and the dk/dv kernel).
-BACKWARD_CHILD = """
-import sys, torch, mate
+# The NSA backward kernels (BACKWARD): forward + backward of (key, tiles) cases, LAUNCHES times back to back
+# each (each backward launches the dq and the dk/dv kernel), on 2048 tokens, H 16 / G 2, T 16.
+BACKWARD_CHILD = HAMMER + """
+import contextlib, json, mate
 from mate import _dispatch
+from mate.testing import using_tiles
 from test_nsa_gpu import draw_indices
-launches = int(sys.argv[1])
-for key in _dispatch.load_config("sm90")["nsa_selection_bwd_dq"]:
+for key, stage, tiles in json.loads(sys.argv[1]):
     spec = _dispatch.parse_key(key)
     dt, D, bs = getattr(torch, spec["dtype"]), spec["dim"], spec["block_size"]
     q, k, v = (torch.randn(1, 2048, n, D, device="cuda").to(dt).requires_grad_() for n in (16, 2, 2))
     idx = draw_indices(1, 2048, 2, 16, 2048, bs)
     do = torch.randn(q.shape, device="cuda").to(dt)
-    o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=bs)
-    print("started", key, flush=True)
-    for i in range(launches):
-        torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    print("finished", key, flush=True)
+    with using_tiles("sm90", stage, key, tiles) if tiles else contextlib.nullcontext():
+        o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=bs)
+        hammer(f"{key} {stage} {tiles or 'shipped'}", lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
 """
 
 
+def _run_backward(cases, what, limit_s=LIMIT_S):
+    _finish([BACKWARD_CHILD, json.dumps(cases), str(LAUNCHES)], len(cases), what, cwd=ROOT / "tests", limit_s=limit_s)
+
+
 def test_nsa_backward_finishes_back_to_back_launches():
-    keys = list(_dispatch.load_config("sm90")["nsa_selection_bwd_dq"])
-    try:
-        proc = subprocess.run([sys.executable, "-c", BACKWARD_CHILD, str(LAUNCHES)], cwd=ROOT / "tests", capture_output=True, text=True,
-                              timeout=LIMIT_S)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
-        started = _lines(out, "started")
-        pytest.fail(f"NSA backward: not finished within {LIMIT_S} s; the last key started: {started[-1] if started else 'none'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(_lines(proc.stdout, "finished")) == len(keys)
+    """Every key of the shipped config."""
+    _run_backward([(key, None, None) for key in _dispatch.load_config("sm90")["nsa_selection_bwd_dq"]], "NSA backward")
+
+
+def ring_variants() -> list:
+    """(stage, tiles): each distinct program (all tiles but min_blocks) of the backward's spaces that fits at the
+    seed's specialization, with the largest min_blocks that fits."""
+    spec = dict(dtype="bfloat16", dim=128, block_size=64)
+    out = []
+    for stage in BACKWARD:
+        card = _dispatch.STAGES[stage]
+        best = {}
+        for values in itertools.product(*card.space.values()):
+            tiles = dict(zip(card.space, values))
+            if card.limits(spec, tiles) is None:
+                shape = tuple(v for p, v in tiles.items() if p != "min_blocks")
+                if tiles["min_blocks"] >= best.get(shape, {}).get("min_blocks", 0):
+                    best[shape] = tiles
+        out += [(stage, t) for t in best.values()]
+    return out
+
+
+def test_every_backward_ring_depth_finishes_back_to_back_launches():
+    """Every ring depth (and, for dk/dv, entries a step) of the two backward kernels' search spaces at the seed's
+    specialization, each at the most CTAs per SM its card allows."""
+    key = "dtype=bfloat16,dim=128,block_size=64"
+    _run_backward([(key, stage, tiles) for stage, tiles in ring_variants()], "NSA backward ring depths", limit_s=240)
 
 
 # gqa_attention's split-KV kernel (issue 17: paged caches, decode) and its merge: paged decode and a paged
