@@ -271,7 +271,7 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
 
     def run(native_out):
         tun = Tunable(t.stage, t.space, t.limits, t.shapes,
-                      lambda spec, shape: (lambda: native_out, lambda: torch.tensor([1.0, 2.0]), lambda out: out[1:]), t.tol)
+                      lambda spec, shape: (lambda: native_out.clone(), lambda: torch.tensor([1.0, 2.0]), lambda out: out[1:]), t.tol)
         loads = cli.workloads(tun, _dispatch.parse_key(key), [{}])
         refs = [ref() for _, ref, _ in loads]
         return cli.measure(tun, "sm90", _dispatch.load_config("sm90"), key, tiles, loads, refs)
@@ -281,6 +281,35 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     # A workload without a pick compares the whole output.
     loads = cli.workloads(Tunable(t.stage, t.space, t.limits, t.shapes, lambda s, x: (1, 2), t.tol), {}, [{}])
     assert loads[0][:2] == (1, 2) and loads[0][2]("out") == "out"
+
+
+def test_a_candidate_that_leaves_reused_memory_unwritten_is_caught(monkeypatch):
+    """A call's fresh output may get the block a previous candidate's output was freed from, still holding
+    correct values. A stand-in native that reuses one buffer (the allocator's part) and writes only its first
+    element passes while the buffer holds the reference's values, unless the tuner poisons before it checks."""
+    import torch
+
+    from mate import testing
+
+    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.002)
+    t = TUNABLES["mqa_decode"]
+    key = "dtype=bfloat16,page_size=16"
+    ref = torch.tensor([1.0, 2.0, 3.0])
+    block = ref.clone()  # what the previous candidate left in the block
+
+    def native(writes):
+        block[:writes] = ref[:writes]
+        return block
+
+    def run(writes):
+        tun = Tunable(t.stage, t.space, t.limits, t.shapes, lambda spec, shape: (lambda: native(writes), lambda: ref), t.tol)
+        loads = cli.workloads(tun, _dispatch.parse_key(key), [{}])
+        return cli.measure(tun, "sm90", _dispatch.load_config("sm90"), key, {"block_keys": 128, "threads": 256}, loads, [ref])
+
+    assert "us" in run(3)
+    assert run(1)["wrong"].startswith("relative error")
+    block.copy_(ref)
+    assert cli.native_after_poison(lambda: (native(1), [torch.arange(2)]))[0].isnan().sum() == 2
 
 
 @pytest.mark.parametrize("stage", ["nsa_selection_bwd_dq", "nsa_selection_bwd_dkv"])
