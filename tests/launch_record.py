@@ -12,7 +12,7 @@ argument, a tensor as (shape, strides, dtype, which input it views and at what e
 offset, or a new buffer) and a scalar as its value. Together with byte-identical
 generated CUDA (compare `get_kernel_source()` of every config entry) this checks a
 refactor without a GPU. Calls: every case of tests/cases.py and the layout/option grid
-of tests/test_qsa_attention_gpu.py.
+of tests/test_qsa_attention_gpu.py, and the NSA backward of tests/sanitize.py's EXTRA_CASES.
 """
 
 from __future__ import annotations
@@ -83,11 +83,12 @@ def record_call(fn, *args, **kwargs) -> dict:
 def calls():
     """(name, thunk) for every recorded call."""
     import cases
+    from sanitize import EXTRA_CASES
     from test_qsa_attention_gpu import GEOMETRIES, LAYOUTS, option_problem
 
     import mate
 
-    for name, make in cases.CASES.items():
+    for name, make in {**cases.CASES, **EXTRA_CASES}.items():  # EXTRA_CASES: the NSA backward's launches
         problem = make("cpu", torch.Generator().manual_seed(2))
         yield f"case:{name}", lambda p=problem: p.call("tilelang")
     for dtype, (hq, hkv), (qf, kf), options, width in itertools.product(
