@@ -33,12 +33,14 @@ global load, and each 16-byte copy costs two shared loads and its address. Runti
 truncating (every operand is non-negative); the per-row query index, head and position live in
 shared memory, computed once.
 
-Speed (H200, B 64 x 1 row x 8192 keys, H 64 / 8, D 128, pages of 64): the first version (page
-ids loaded at the top of each tile, one CTA of 208 KB per SM) ran 0.90 ms dense (2.4 TB/s of
-K/V, 56% of 4.3) and 0.50 ms for (4096, 0); cuDNN SDPA on the same keys laid out dense takes
-about half. One warpgroup both copies and computes, so the shipped D 128 tiles are small
-(block_n 32, 3 stages: 66 KB, 140 registers) for three CTAs per SM, whose copies and math
-overlap; benchmarks/gqa_ab.py --decode measures both versions at several tiles in one process.
+Speed (H200, benchmarks/results/NVIDIA_H200-2026-12-01-gqa_decode_ab.json; B 64 x 8192 keys, H 64 / 8,
+D 128, pages of 64 in random order): one warpgroup both copies and computes, so what counts is CTAs
+per SM, whose copies and math overlap. The first tiles (block_n 128, 3 stages: one CTA of 208 KB
+per SM) ran 1 row dense in 0.89 ms (2.4 TB/s, 56% of 4.3); the shipped D 128 tiles (block_n 64,
+2 stages: 83 KB, 155 registers, two CTAs per SM) 0.67 ms (3.2 TB/s, 74%), (4096, 0) 0.37 ms
+(2.9 TB/s), 4 rows 0.74 / 0.44 ms; block_n 32 x 3 stages (three CTAs) 0.69 ms, 32 x 4 (two) 0.82.
+Loading the block_table entries a tile ahead measured within 1% of loading them at the top of
+each tile, at the same tiles; cuDNN SDPA on the same keys laid out dense runs 0.48 ms (4.45 TB/s).
 """
 
 import tilelang.language as T
