@@ -207,6 +207,14 @@ def options(args) -> dict:
     return meta
 
 
+def decode_bytes(q, table, lens, ctx: int, window) -> int:
+    """The bytes a decode step must move: the K and V rows its query rows see (each KV group's once: every
+    sequence has ctx keys), q read and out written (16-bit), block_table and seq_lens_k."""
+    nd, sq, _, d = q.shape
+    keys = ctx if window[0] < 0 else min(ctx, window[0] + sq)
+    return nd * HKV * keys * d * 2 * 2 + 2 * q.numel() * 2 + table.numel() * 4 + lens.numel() * 4
+
+
 def decode(args) -> dict:
     """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -247,8 +255,8 @@ def decode(args) -> dict:
             out = torch.empty_like(q)
             for window in [(-1, 0), (4096, 0)]:
                 seen = visible_pairs(sq, ctx, *window)  # (row, key) pairs of one sequence; K/V rows read once per group
+                nbytes = decode_bytes(q, table, lens, ctx, window)
                 keys = ctx if window[0] < 0 else min(ctx, window[0] + sq)
-                nbytes = nd * HKV * keys * D * 2 * 2 + 2 * q.numel() * 2 + table.numel() * 4 + lens.numel() * 4
                 kw = dict(block_table=table, seq_lens_k=lens, sliding_window=window)
                 ms = timed_ms(lambda: mate.gqa_attention(q, kc, vc, out=out, **kw))
                 alt = []

@@ -9,6 +9,18 @@ inputs through the public API (mate.testing.program_variants switches the progra
 compared with each other (max abs difference) and timed in three interleaved rounds of
 do_bench medians (CUDA-graph replays, benchmarks/common.py); the middle round is
 reported. The other source must define `gqa_fwd` with the same signature.
+
+    git show REV:mate/swa/kernels/gqa_decode.py > /tmp/old_gqa_decode.py
+    python benchmarks/gqa_ab.py --decode --against /tmp/old_gqa_decode.py [--tiles 64,64,128,2 ...] [--other-tiles ...] [--out FILE]
+
+--decode does the same for the split-KV kernel (gqa_decode) on bench_gqa's decode shape (B 64 x 8192
+keys in a paged cache, pages in random order, H 64 / 8, D 128, BF16; 1 and 4 query rows, dense causal
+and (4096, 0)): the current program at the shipped tiles and each --tiles (block_m,block_n,threads,
+num_stages), the other at the shipped tiles and each --other-tiles, all compiled first in parallel
+processes (TileLang's disk cache), then switched by handing the dispatcher the kernel and the tiles
+(the split count follows the tiles). Each row gives TB/s of the bytes
+bench_gqa.decode_bytes counts, mate's relative error against the reference on 8 sequences, and torch
+SDPA (cuDNN) on the same keys laid out dense for one-row steps.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import RESULTS, graph_ms, write_json  # noqa: E402
+from common import PEAK_BYTES, RESULTS, graph_ms, rel_err, write_json  # noqa: E402
 import mate  # noqa: E402
 from mate.testing import program_variants  # noqa: E402
 
@@ -50,11 +62,91 @@ def run_case(use, names, window, dim, s) -> dict:
     return dict(window=list(window), dim=dim, seq=s, ms=ms, rounds=rounds, ratio=ms["current"] / ms["other"], max_abs_diff=diff)
 
 
+DECODE_KEY = dict(dtype="bfloat16", dim=128)
+DECODE_WINDOWS = {(-1, 0): "causal", (4096, 0): "local"}
+# (query rows, page size) per sequence; the windows of DECODE_WINDOWS each
+DECODE_CASES = [(1, 64), (4, 64)]
+
+
+def decode_main(a) -> dict:
+    from bench_gqa import decode_bytes
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    from mate.testing import compile_variants, environment, shipped_tiles, using_kernel
+
+    shipped = {w: shipped_tiles("sm90", "gqa_decode", f"dtype=bfloat16,dim=128,window={w}") for w in DECODE_WINDOWS.values()}
+    names = {"current": None, "other": str(a.against)}
+    more = {"current": a.tiles, "other": a.other_tiles}
+    variants = [(name, w, shipped[w] if t is None else t) for name in names for w in DECODE_WINDOWS.values() for t in [None, *more[name]]]
+    variants = list(dict.fromkeys((n, w, tuple(t.items())) for n, w, t in variants))
+    jobs = [("gqa_decode", dict(DECODE_KEY, window=w), dict(t), names[n]) for n, w, t in variants]
+    kernels = dict(zip(variants, compile_variants(jobs, 16)))
+    res = {**environment(), "against": str(a.against), "timing": "CUDA-Graph replay, median of do_bench; 3 interleaved rounds, the middle",
+           "bytes": "bench_gqa.decode_bytes: the K/V rows the query rows see, q, out, block_table, seq_lens_k", "rows": []}
+    nd, ctx, D = 64, 8192, 128
+    lens = torch.full((nd,), ctx, dtype=torch.int32, device="cuda")
+    for sq, ps in DECODE_CASES:
+        pages = nd * ctx // ps
+        kc, vc = (torch.randn(pages, ps, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(pages, device="cuda").int().view(nd, -1)
+        q = torch.randn(nd, sq, H, D, device="cuda", dtype=torch.bfloat16)
+        for window, wclass in DECODE_WINDOWS.items():
+            kw = dict(block_table=table, seq_lens_k=lens, sliding_window=window)
+            ref = mate.gqa_attention(q[:8], kc, vc, **{**kw, "block_table": table[:8], "seq_lens_k": lens[:8]}, backend="reference")
+            nbytes = decode_bytes(q, table, lens, ctx, window)
+            mine = [v for v in variants if v[1] == wclass]
+            outs, rounds = {}, {v: [] for v in mine}
+            for v in mine:
+                outs[v] = torch.empty_like(q)
+                with using_kernel("gqa_decode", dict(DECODE_KEY, window=wclass), kernels[v], dict(v[2])):
+                    mate.gqa_attention(q, kc, vc, out=outs[v], **kw)
+            for _ in range(3):
+                for v in mine:
+                    with using_kernel("gqa_decode", dict(DECODE_KEY, window=wclass), kernels[v], dict(v[2])):
+                        rounds[v].append(graph_ms(lambda v=v: mate.gqa_attention(q, kc, vc, out=outs[v], **kw), target_ms=20))
+            row = dict(case=f"paged decode {nd} x {sq} rows x {ctx} keys, page {ps}", window=list(window), bytes=nbytes, variants=[])
+            base = outs[("other", wclass, tuple(shipped[wclass].items()))]
+            for v in mine:
+                ms = sorted(rounds[v])[1]
+                row["variants"].append(dict(program=v[0], tiles=dict(v[2]), ms=ms, rounds=rounds[v], TB_s=nbytes / ms / 1e9,
+                                            of_peak_bandwidth=nbytes / ms / 1e-3 / PEAK_BYTES, err_vs_reference=rel_err(outs[v][:8], ref),
+                                            max_abs_diff_vs_other_shipped=(outs[v].float() - base.float()).abs().max().item()))
+                print(f"{row['case']:>44} {str(window):>10} {v[0]:>8} {str(tuple(dict(v[2]).values())):>18} {ms:8.4f} ms "
+                      f"{nbytes / ms / 1e9:5.2f} TB/s err {row['variants'][-1]['err_vs_reference']:.1e}", flush=True)
+            if sq == 1 and ps == 64:  # the same keys, dense and contiguous per sequence: an easier problem
+                keys = ctx if window[0] < 0 else window[0] + 1
+                kd, vd = (x[table.long()].view(nd, ctx, HKV, D)[:, ctx - keys :].transpose(1, 2) for x in (kc, vc))
+                qt = q.transpose(1, 2)
+                for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                    try:
+                        with sdpa_kernel([backend]):
+                            bms = graph_ms(lambda: F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True), target_ms=20)
+                        break
+                    except RuntimeError:
+                        continue
+                row.update(baseline=f"torch SDPA {backend.name} on the dense visible K/V", baseline_ms=bms, baseline_TB_s=nbytes / bms / 1e9)
+                print(f"{backend.name + ' (dense keys)':>44} {str(window):>10} {bms:8.4f} ms {nbytes / bms / 1e9:5.2f} TB/s", flush=True)
+                del kd, vd
+            res["rows"].append(row)
+            write_json(a.out or RESULTS / "gqa_decode_ab.json", res)
+        del kc, vc
+        torch.cuda.empty_cache()
+    return res
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", type=Path, required=True, help="the other version of mate/swa/kernels/gqa.py")
+    ap.add_argument("--against", type=Path, required=True, help="the other version of mate/swa/kernels/gqa.py (--decode: gqa_decode.py)")
+    ap.add_argument("--decode", action="store_true", help="A/B the split-KV decode kernel instead")
+    ap.add_argument("--tiles", type=str, action="append", default=[],
+                    help="--decode: also time the current program at these tiles, block_m,block_n,threads,num_stages")
+    ap.add_argument("--other-tiles", type=str, action="append", default=[], help="--decode: the other program at these tiles")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    for name in ("tiles", "other_tiles"):
+        setattr(a, name, [dict(zip(("block_m", "block_n", "threads", "num_stages"), map(int, t.split(",")))) for t in getattr(a, name)])
+    if a.decode:
+        return decode_main(a)
     sources = {"current": None, "other": a.against}
     torch.manual_seed(0)
     res = dict(gpu=torch.cuda.get_device_name(), against=str(a.against), rows=[])

@@ -600,6 +600,56 @@ def _variant_card(card, name: str, source: Path):
     return dataclasses.replace(card, module=name, pass_configs=passes)
 
 
+def compile_variant(stage: str, spec: dict, tiles: dict, source=None, target: str = "sm90"):
+    """The kernel of `stage` for `spec` at `tiles`: the shipped program, or the one in the file `source` (another
+    version of its module, as in program_variants). Run in worker processes first, it fills TileLang's disk
+    cache, so the benchmark's own compile of the same kernel is a load."""
+    import tilelang
+
+    card = _dispatch.STAGES[stage]
+    if source is not None:
+        card = _variant_card(card, f"mate_variant_{stage}_{Path(source).stem}", Path(source))
+    return tilelang.compile(card.build(**spec, **tiles), target=_dispatch.TARGETS[target][1], pass_configs=card.pass_config_dict())
+
+
+def _cache_variant(*job) -> None:
+    compile_variant(*job)  # a worker's kernel stays in the disk cache (it does not pickle)
+
+
+def compile_variants(jobs: list[tuple], workers: int) -> list:
+    """compile_variant(*job) for each job (stage, spec, tiles, source), first in `workers` processes (a
+    benchmark's variants in parallel, into the disk cache), then here from the cache; the kernels in order."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    # spawn: TileLang and torch hold threads that a forked child would inherit broken.
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_cache_variant, *job) for job in jobs]:
+            f.result()
+    return [compile_variant(*job) for job in jobs]
+
+
+@contextlib.contextmanager
+def using_kernel(stage: str, spec: dict, kernel, tiles: dict, target: str = "sm90"):
+    """Inside, the dispatcher runs `kernel` (compile_variant's) for (stage, spec) and gives `tiles` as that
+    entry's tiles to everyone who asks (the wrappers size grids from them). No config file is written and no
+    other kernel forgotten, so switching between variants costs nothing (interleaved timing)."""
+    key = (stage, tuple(spec.items()), target, ())
+    real, saved = _dispatch.tiles, _dispatch._kernels.get(key)
+
+    def tiles_of(s, sp, tg):
+        return dict(tiles) if (s, tuple(sp.items()), tg) == key[:3] else real(s, sp, tg)
+
+    _dispatch.tiles, _dispatch._kernels[key] = tiles_of, kernel
+    try:
+        yield
+    finally:
+        _dispatch.tiles = real
+        _dispatch._kernels.pop(key)
+        if saved is not None:
+            _dispatch._kernels[key] = saved
+
+
 @contextlib.contextmanager
 def program_variants(stage: str, sources: dict):
     """Run `stage` with one of several versions of its program source, switched by name; yields `use(name)`.

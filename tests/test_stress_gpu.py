@@ -205,3 +205,13 @@ for dim, ps, window, sq in [(128, 16, None, 1), (64, 64, (4096, 0), 8), (128, 32
 
 def test_gqa_split_kv_finishes_back_to_back_launches():
     _finish([PAGED_CHILD, str(LAUNCHES)], 4, "gqa split-KV")
+
+
+# The split-KV kernel's ring depths at D 128 (its copies and the ids a tile ahead are hand-synchronized):
+# the tiles benchmarks/gqa_ab.py --decode timed (64 x 2 ships), on the card's quick workload (dense causal).
+DECODE_RINGS = [(128, 3), (64, 2), (32, 3), (32, 4)]
+
+
+def test_gqa_split_kv_ring_depths_finish_back_to_back_launches():
+    key = "dtype=bfloat16,dim=128,window=causal"
+    _run("gqa_decode", [(key, dict(block_m=64, block_n=n, threads=128, num_stages=s)) for n, s in DECODE_RINGS])

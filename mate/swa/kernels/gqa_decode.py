@@ -19,23 +19,28 @@ and output 0). With sinks, split 0 also writes slot `num_splits`: output 0 and L
 logit, so the merge adds the sink to the normaliser. Softcap (runtime, 0 = off) caps the scores
 before the mask, the host then passes scale_log2 = log2(e).
 
-Unused cache memory is never read: each key tile's page ids go to shared memory first (-1 for
-a key past the band's end, so past seq_lens_k[b], or on a page id outside [0, pages); the
-block_table index is clamped to its row), then its K and V rows arrive by cp.async, zero-filled
-where the id is -1. Masked keys are zeros in shared memory, so 0 * V is 0: NaN in unused pages
-or past seq_lens_k cannot reach an output. No TMA (a TMA box cannot skip the tail of a
-sequence's last page): all threads issue the copies, into a `num_stages`-deep ring with one
+Unused cache memory is never read: each key tile's page id (-1 for a key past the band's end, so
+past seq_lens_k, or on a page id outside [0, pages); the block_table index is clamped to its row)
+and slot within the page go to shared memory first, then its K and V rows arrive by cp.async,
+zero-filled where the id is -1. Masked keys are zeros in shared memory, so 0 * V is 0: NaN in
+unused pages or past seq_lens_k cannot reach an output. No TMA (a TMA box cannot skip the tail
+of a sequence's last page): all threads issue the copies, into a `num_stages`-deep ring with one
 cp.async group per tile (tile t + num_stages - 1 is in flight while tile t is computed), and
-wgmma reads the landed stage after a barrier and a proxy fence. Runtime divisions are
+wgmma reads the landed stage after a barrier and a proxy fence. The block_table entries of tile
+t + num_stages are loaded into registers before tile t is computed and placed (id and slot, one
+division per key) after it, in a ring of num_stages + 1 id slots: no tile's copies wait for a
+global load, and each 16-byte copy costs two shared loads and its address. Runtime divisions are
 truncating (every operand is non-negative); the per-row query index, head and position live in
 shared memory, computed once.
 
-Speed (H200, benchmarks/results/NVIDIA_H200-2026-12-01-gqa_decode.json; B 64 x 1 row x 8192 keys,
-H 64 / 8, D 128, pages of 64): 0.90 ms dense (2.4 TB/s of K/V, 56% of 4.3), 0.50 ms for (4096, 0);
-cuDNN SDPA on the same keys laid out dense takes about half. The threads that compute also issue
-the copies, and a tile's page ids are a global load before its copies go out, so the ring is
-refilled only between tiles; loading page ids a tile ahead, or a producer warp with mbarriers,
-are the next steps (not tried).
+Speed (H200, benchmarks/results/NVIDIA_H200-2026-12-01-gqa_decode_ab.json; B 64 x 8192 keys, H 64 / 8,
+D 128, pages of 64 in random order): one warpgroup both copies and computes, so what counts is CTAs
+per SM, whose copies and math overlap. The first tiles (block_n 128, 3 stages: one CTA of 208 KB
+per SM) ran 1 row dense in 0.89 ms (2.4 TB/s, 56% of 4.3); the shipped D 128 tiles (block_n 64,
+2 stages: 83 KB, 155 registers, two CTAs per SM) 0.67 ms (3.2 TB/s, 74%), (4096, 0) 0.37 ms
+(2.9 TB/s), 4 rows 0.74 / 0.44 ms; block_n 32 x 3 stages (three CTAs) 0.69 ms, 32 x 4 (two) 0.82.
+Loading the block_table entries a tile ahead measured within 1% of loading them at the top of
+each tile, at the same tiles; cuDNN SDPA on the same keys laid out dense runs 0.48 ms (4.45 TB/s).
 """
 
 import tilelang.language as T
@@ -61,17 +66,30 @@ def _rows(row_q, row_h, row_pos, q0, sq, shift, m0, group, kvh, block_m):
 
 
 @T.macro
-def _issue(K, V, K_s, V_s, pages, BT, st, b, k0, hi, kvh, block_n, dim):
-    """Tile keys k0 .. k0 + block_n into ring stage st: their page ids (-1: masked, never read), then the
-    K and V rows by cp.async (zero-filled where masked), one group the caller commits."""
+def _fetch(next_page, BT, K, b, k0, block_n):
+    """The block_table entries of tile keys k0 .. k0 + block_n into registers (the row index clamped to the row):
+    issued a tile before _place needs them, so their latency hides behind a tile's compute."""
     for j in T.Parallel(block_n):
-        page = BT[b, T.min(T.truncdiv(k0 + j, K.shape[1]), BT.shape[1] - 1)]
-        pages[st, j] = T.if_then_else((k0 + j < hi) & (page >= 0) & (page < K.shape[0]), page, -1)
-    T.sync_threads()
+        next_page[j] = BT[b, T.min(T.truncdiv(k0 + j, K.shape[1]), BT.shape[1] - 1)]
+
+
+@T.macro
+def _place(pg, sl, next_page, K, slot, k0, hi, block_n):
+    """Tile keys k0 .. k0 + block_n in id slot `slot`: page id (-1: masked, never read: past the band's end, so
+    past seq_lens_k, or an id outside [0, pages)) and slot within the page, computed once per key."""
+    for j in T.Parallel(block_n):
+        pg[slot, j] = T.if_then_else((k0 + j < hi) & (next_page[j] >= 0) & (next_page[j] < K.shape[0]), next_page[j], -1)
+        sl[slot, j] = T.truncmod(k0 + j, K.shape[1])
+
+
+@T.macro
+def _issue(K, V, K_s, V_s, pg, sl, st, slot, kvh, block_n, dim):
+    """K and V rows of the tile in id slot `slot` into ring stage st by cp.async (zero-filled where masked), one
+    group the caller commits."""
     for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        K_s[st, j, d] = T.if_then_else(pages[st, j] >= 0, K[T.max(pages[st, j], 0), T.truncmod(k0 + j, K.shape[1]), kvh, d], T.cast(0, K.dtype))
+        K_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, K[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
     for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        V_s[st, j, d] = T.if_then_else(pages[st, j] >= 0, V[T.max(pages[st, j], 0), T.truncmod(k0 + j, K.shape[1]), kvh, d], T.cast(0, K.dtype))
+        V_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, V[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
 
 
 @T.macro
@@ -119,11 +137,13 @@ def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh):
 
 
 def _alloc(block_m, block_n, dim, num_stages, dtype):
-    """Q and the K/V ring with its page ids and the per-row metadata in shared memory; S, P and O and the
+    """Q, the K/V ring, its page ids and slots (num_stages + 1 tiles: one more than the ring, filled a tile
+    ahead) and the per-row metadata in shared memory; the next tile's block_table entries, S, P and O and the
     per-row softmax state in registers."""
     return (
         T.alloc_shared((block_m, dim), dtype), T.alloc_shared((num_stages, block_n, dim), dtype),
-        T.alloc_shared((num_stages, block_n, dim), dtype), T.alloc_shared((num_stages, block_n), "int32"),
+        T.alloc_shared((num_stages, block_n, dim), dtype),
+        *(T.alloc_shared((num_stages + 1, block_n), "int32") for _ in range(2)), T.alloc_fragment((block_n,), "int32"),
         *(T.alloc_shared((block_m,), "int32") for _ in range(3)),
         T.alloc_fragment((block_m, block_n), "float32"), T.alloc_fragment((block_m, block_n), dtype),
         T.alloc_fragment((block_m, dim), "float32"), *(T.alloc_fragment((block_m,), "float32") for _ in range(6)),
@@ -158,7 +178,7 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
         has_sinks: T.int32,
     ):
         with T.Kernel(T.ceildiv(packed_rows, block_m), Hkv, B * num_splits, threads=threads) as (bx, kvh, bz):
-            (Q_s, K_s, V_s, pages, row_q, row_h, row_pos, acc_s, acc_p, acc_o,
+            (Q_s, K_s, V_s, pg, sl, next_page, row_q, row_h, row_pos, acc_s, acc_p, acc_o,
              m_run, m_prev, m_off, alpha, row_sum, l_run) = _alloc(block_m, block_n, dim, num_stages, dtype)
             _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh)
             b = T.alloc_var("int32")
@@ -199,14 +219,22 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
             T.fill(l_run, 0)
             T.fill(m_run, NEG_INF)
             T.fill(m_off, 0)
+            # Tile u's ids sit in slot u % ids; tile u + num_stages's are fetched while tile u is computed.
+            ids = num_stages + 1
+            for s in T.serial(num_stages):
+                if s < n:
+                    _fetch(next_page, BT, K, b, lo + (t0 + s) * block_n, block_n)
+                    _place(pg, sl, next_page, K, s, lo + (t0 + s) * block_n, hi, block_n)
+            T.sync_threads()
             for s in T.serial(num_stages - 1):
                 if s < n:
-                    _issue(K, V, K_s, V_s, pages, BT, s, b, lo + (t0 + s) * block_n, hi, kvh, block_n, dim)
+                    _issue(K, V, K_s, V_s, pg, sl, s, s, kvh, block_n, dim)
                 T.ptx_commit_group()
             for t in T.serial(n):
+                if t + num_stages < n:
+                    _fetch(next_page, BT, K, b, lo + (t0 + t + num_stages) * block_n, block_n)
                 if t + num_stages - 1 < n:
-                    _issue(K, V, K_s, V_s, pages, BT, (t + num_stages - 1) % num_stages, b, lo + (t0 + t + num_stages - 1) * block_n,
-                           hi, kvh, block_n, dim)
+                    _issue(K, V, K_s, V_s, pg, sl, (t + num_stages - 1) % num_stages, (t + num_stages - 1) % ids, kvh, block_n, dim)
                 T.ptx_commit_group()
                 T.ptx_wait_group(num_stages - 1)  # this thread's copies of tile t have landed
                 T.sync_threads()  # everyone's
@@ -215,13 +243,15 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
                 if softcap_value > 0:
                     for i, j in T.Parallel(block_m, block_n):
                         acc_s[i, j] = softcap_value * T.tanh(acc_s[i, j] * softcap_mul)
-                _mask(acc_s, pages, row_pos, t % num_stages, lo + (t0 + t) * block_n, left, right, block_m, block_n, has_left, has_right)
+                _mask(acc_s, pg, row_pos, t % ids, lo + (t0 + t) * block_n, left, right, block_m, block_n, has_left, has_right)
                 online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
                 T.copy(acc_s, acc_p)
                 for i, d in T.Parallel(block_m, dim):
                     acc_o[i, d] *= alpha[i]
                 T.gemm(acc_p, V_s[t % num_stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.sync_threads()  # stage t % num_stages is refilled in the next iteration
+                if t + num_stages < n:  # the slot of tile t - 1, read by no one since the last barrier
+                    _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, hi, block_n)
+                T.sync_threads()  # stage t % num_stages is refilled, and these ids read, in the next iteration
             _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim)
 
     return main.with_attr("tilelang_pass_configs", {"tl.enable_fast_math": True})

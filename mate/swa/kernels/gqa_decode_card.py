@@ -1,8 +1,9 @@
 """Stage card of GQA split-KV attention over a paged cache (mate.swa.kernels.gqa_decode).
 
 Importable without TileLang. The resource model follows the program's buffers: the packed
-query tile, the K and V rings in shared memory (cp.async, `num_stages` deep); S, P and O in
-the registers of one warpgroup per 64 packed rows.
+query tile, the K and V rings (cp.async, `num_stages` deep), the key tiles' page ids and slots
+and the rows' metadata in shared memory; S, P and O in the registers of one warpgroup per 64
+packed rows.
 """
 
 from mate._hopper import MAX_REGS, warpgroups
@@ -13,8 +14,10 @@ SPARE_REGS = 40  # addresses, page ids and loop state beside the accumulators
 
 
 def _limits(spec, t):
-    # One warpgroup per 64 rows and no producer: every thread may hold MAX_REGS registers.
-    return warpgroups(t["threads"], t["block_m"], "block_m") or tile_limits(spec, t, MAX_REGS, SPARE_REGS)
+    # One warpgroup per 64 rows and no producer: every thread may hold MAX_REGS registers. Beside the rings, the
+    # page ids and slots of num_stages + 1 key tiles and three int32 per packed row.
+    ids = 4 * (2 * (t["num_stages"] + 1) * t["block_n"] + 3 * t["block_m"])
+    return warpgroups(t["threads"], t["block_m"], "block_m") or tile_limits(spec, t, MAX_REGS, SPARE_REGS, ids)
 
 
 STAGE = Stage(
