@@ -229,12 +229,16 @@ def decode(args) -> dict:
             "rows": []}
     add = _row_writer(args, meta)
 
+    def _sdpa_with(backend, qt, kt, vt):  # timed inside the context, so the backend named is the one that runs
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
     def sdpa(qt, kt, vt):
         for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
                 with sdpa_kernel([backend]):
                     F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-                return backend.name, lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                return backend.name, lambda b=backend: _sdpa_with(b, qt, kt, vt)
             except RuntimeError:
                 continue
         return None, None
