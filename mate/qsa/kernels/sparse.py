@@ -417,46 +417,39 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
 
 
 @T.macro
-def _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, unroll, odtype):
-    """One (row, head) of the merge, `unroll` splits a step: their loads go out together (predicated on the
-    split count only) and are masked afterwards; a load under the -inf test of the one before it waited
-    for it (16 splits of one row: 20.4 us, 15.4 us this way, H200). st holds the running max, the sum
-    of exponentials and one output element's accumulator."""
+def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, S):
+    """Output element (r, h, d) in one pass over the splits, MERGE_STEP a step: the step's LSE and partial
+    loads go out together (predicated on the split count only), then an online max/sum as in attention.
+    st: running max, sum of exponentials, output accumulator, the step's new max. A split with l_s = -inf weighs 0 and its
+    partial (possibly NaN) is selected away, never multiplied."""
     st[0] = NEG_INF
-    for s0 in T.serial(T.ceildiv(S, unroll)):
-        for j in T.unroll(unroll):
-            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
-        for j in T.unroll(unroll):
-            st[0] = T.max(st[0], ls[j])
     st[1] = 0
-    for s0 in T.serial(T.ceildiv(S, unroll)):
-        for j in T.unroll(unroll):
-            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
-        for j in T.unroll(unroll):
-            st[1] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]), 0)
-    gated = (flags & HAS_GATE) != 0
-    for i in T.serial(T.ceildiv(D, threads)):
-        d = T.min(i * threads + tx, D - 1)
-        st[2] = 0
-        for s0 in T.serial(T.ceildiv(S, unroll)):
-            for j in T.unroll(unroll):
-                sj = T.min(s0 * unroll + j, S - 1)
-                ls[j] = T.if_then_else(s0 * unroll + j < S, PL[sj, r, h], NEG_INF)
-                ps[j] = T.if_then_else(s0 * unroll + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
-            for j in T.unroll(unroll):
-                # a split without keys (-inf) may hold anything, NaN included: select, never multiply
-                st[2] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]) * ps[j], 0)
-        if i * threads + tx < D:
-            o = T.if_then_else(st[1] > 0, st[2] / st[1], 0)
-            gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d), 0)
-            O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
-    if ((flags & WRITE_LSE) != 0) & (tx == 0):
-        LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
+    st[2] = 0
+    for s0 in T.serial(T.ceildiv(S, MERGE_STEP)):
+        for j in T.unroll(MERGE_STEP):
+            sj = T.min(s0 * MERGE_STEP + j, S - 1)
+            ls[j] = T.if_then_else(s0 * MERGE_STEP + j < S, PL[sj, r, h], NEG_INF)
+            ps[j] = T.if_then_else(s0 * MERGE_STEP + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
+        st[3] = st[0]
+        for j in T.unroll(MERGE_STEP):
+            st[3] = T.max(st[3], ls[j])
+        # new max -inf: nothing live yet, the sums stay 0; else exp(-inf) = 0 rescales a first live step's zeros
+        rescale = T.if_then_else(st[3] > NEG_INF, T.exp2((st[0] - st[3]) * LOG2E), 1)
+        st[1] *= rescale
+        st[2] *= rescale
+        for j in T.unroll(MERGE_STEP):
+            w = T.if_then_else(ls[j] > NEG_INF, T.exp2((ls[j] - st[3]) * LOG2E), 0)
+            st[1] += w
+            st[2] += T.if_then_else(ls[j] > NEG_INF, w * ps[j], 0)
+        st[0] = st[3]
+    if live:
+        o = T.if_then_else(st[1] > 0, st[2] / st[1], 0)
+        gv = T.if_then_else((flags & HAS_GATE) != 0, gate_at(G, GH, flags, r, h, d), 0)
+        O[r, h, d] = T.cast(T.if_then_else((flags & HAS_GATE) != 0, o / (1 + T.exp(-gv)), o), O.dtype)
 
 
-# Splits a step: 16 for many splits (one round trip for 16), 4 for few, where the unused slots of a 16-wide
-# step cost instructions that many rows make visible (4 splits x 256 rows: 40 us at 4, 78 us at 16).
-MERGE_UNROLL = (4, 16)
+# Splits a step of the merge: their loads are in flight together (one L2 round trip for up to 16 splits).
+MERGE_STEP = 16
 
 
 def merge(pdtype, odtype, threads):
@@ -471,7 +464,6 @@ def merge(pdtype, odtype, threads):
     sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, shr, shh, shd, sor, soh, sod, smr, smh = T.dynamic(
         "sps spr sph spd sls slr slh sgr sgh sgd shr shh shd sor soh sod smr smh", "int64"
     )
-    few, many = MERGE_UNROLL
 
     @T.prim_func
     def main(
@@ -484,15 +476,19 @@ def merge(pdtype, odtype, threads):
         flags: T.int32,
     ):
         with T.Kernel(R * H, threads=threads) as bx:
+            r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
+            h = T.alloc_var("int32")
             r = bx // H
             h = bx % H
             tx = T.get_thread_binding()
-            ls = T.alloc_local((many,), "float32")
-            ps = T.alloc_local((many,), "float32")
-            st = T.alloc_local((3,), "float32")
-            if S <= 2 * few:
-                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, few, odtype)
-            else:
-                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, many, odtype)
+            ls = T.alloc_local((MERGE_STEP,), "float32")
+            ps = T.alloc_local((MERGE_STEP,), "float32")
+            st = T.alloc_local((4,), "float32")
+            for i in T.serial(T.ceildiv(D, threads)):
+                # a thread past D repeats element D - 1 (for the LSE) without storing it
+                _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, T.min(i * threads + tx, D - 1),
+                               i * threads + tx < D, S)
+            if ((flags & WRITE_LSE) != 0) & (tx == 0):
+                LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
 
     return main
