@@ -167,8 +167,8 @@ def qsa_sparse_attention(
     backend="tilelang" (default) runs the native sm90 kernels (mate/qsa/kernels/sparse.py) for
     BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
     flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
-    gate) by the native merge. num_splits=None picks the split count from the row count (see
-    choose_splits). Every native kernel is warp-specialized already (a cp.async producer
+    gate) in the same launch, by the last CTA of each row and KV head to finish. num_splits=None
+    picks the split count from the row count (see choose_splits). Every native kernel is warp-specialized already (a cp.async producer
     warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
     canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
     indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
@@ -544,8 +544,9 @@ def native(p: Problem):
     num_splits = p.num_splits
     if num_splits is None:
         num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
-    splits = max(1, min(num_splits, tiles))
-    chunk = -(-tiles // splits) * kernels.TILE
+    per_split = -(-tiles // max(1, min(num_splits, tiles)))
+    splits = -(-tiles // per_split)  # no split without a tile of the list
+    chunk = per_split * kernels.TILE
     result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0:
         return result
@@ -566,10 +567,13 @@ def native(p: Problem):
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1:
-        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
+        none_f, none_i = _dispatch.placeholder(dev, torch.float32, 1), _dispatch.placeholder(dev, torch.int32, 1)
+        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, none_f, none_f, none_i, *args)
     else:
+        # the splits' partials, merged by the last CTA of each (row, KV head) to finish: the count of finished
+        # CTAs starts at 0 in every call (a buffer of this call's, so concurrent calls never share counts)
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
-        attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
-        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target)
+        done = torch.zeros((rows, hkv), dtype=torch.int32, device=dev)
+        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, part_o, part_lse, done, *args)
     return result
