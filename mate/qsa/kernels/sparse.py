@@ -64,7 +64,6 @@ from tvm import tirx
 from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
-from mate._hopper import MAX_GROUP
 from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
 
 # split only: a GPU-scope fence (membar.gl) between this thread's partial stores and the split count's atomic,
@@ -199,13 +198,12 @@ def _prefetch(x):
 
 
 @T.macro
-def _prefetch_metadata(TI, BT, ROWMAP, SLK, G, GH, row, sp, chunk, h0, tx, threads, W, MP, BTB, NM, NSLK):
+def _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK):
     """split (decode): the CTA's first loads wait on each other (the row's request, its lengths, the token ids,
     their pages, then K/V), a DRAM round trip each when cold. Their lines are sent to L2 at once, a line a
     thread: this split's share of the token list (one line more where it straddles one), the block table
     row of request `row` (the row's own request in decode, one row a request; elsewhere a few wasted lines),
-    the request metadata's first lines, and the gate of the group's heads (the fused merge's last loads; one
-    of G and GH is a placeholder)."""
+    and the request metadata's first lines."""
     ti_lines = T.ceildiv(chunk, 32) + 1
     if tx < ti_lines:
         _prefetch(TI[row, T.min(sp * chunk + tx * 32, W - 1)])
@@ -217,10 +215,6 @@ def _prefetch_metadata(TI, BT, ROWMAP, SLK, G, GH, row, sp, chunk, h0, tx, threa
         _prefetch(ROWMAP[T.min(row, NM - 1)])
     if tx == threads - 3:
         _prefetch(SLK[0])
-    if (tx >= threads - 3 - MAX_GROUP) & (tx < threads - 3):
-        k = h0 + tx - (threads - 3 - MAX_GROUP)
-        _prefetch(GH[T.min(row, GH.shape[0] - 1), T.min(k, GH.shape[1] - 1), 0])
-        _prefetch(G[T.min(row, G.shape[0] - 1), T.min(k, G.shape[1] - 1), 0])
 
 
 @T.macro
@@ -410,14 +404,15 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             T.assume(svp % 8 == 0)
             T.assume(svs % 8 == 0)
             T.assume(svh % 8 == 0)
+            if split:
+                _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK)
+
             # bound once: as expressions, the division and its floor fixups are re-emitted (int64 in the
             # output's index) in every unrolled load and store
             group = T.alloc_var("int32")
             h0 = T.alloc_var("int32")
             group = HQ // HKV
             h0 = kvh * group
-            if split:
-                _prefetch_metadata(TI, BT, ROWMAP, SLK, G, GH, row, sp, chunk, h0, tx, threads, W, MP, BTB, NM, NSLK)
             _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
             bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
@@ -456,12 +451,11 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                 else:
                     _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
             if split:
-                step = FUSED_STEPS[wide]
-                ls = T.alloc_local((step,), "float32")
-                ps = T.alloc_local((MERGE_LANES * step,), "float32")
-                st = T.alloc_local((3 + 2 * MERGE_LANES,), "float32")
+                ls = T.alloc_local((FUSED_STEP,), "float32")
+                ps = T.alloc_local((MERGE_LANES * FUSED_STEP,), "float32")
+                st = T.alloc_local((3 + MERGE_LANES,), "float32")
                 _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, SPL,
-                              threads, head_tile, step)
+                              threads, head_tile)
 
     return main
 
@@ -469,9 +463,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
 # Splits a step of a merge: their loads are in flight together (one L2 round trip for up to 16 splits).
 MERGE_STEP = 16
 MERGE_LANES = 4  # elements of one head a thread of the fused merge owns: one 16-byte load a split
-# Splits a step of the fused merge, by `wide`: 16 where one CTA has an SM (the attention kernel needs 163
-# registers then); 8 where two share one, whose 256 threads each must fit 128 registers (116; 80 without a merge).
-FUSED_STEPS = (16, 8)
+FUSED_STEP = 8  # splits a step of the fused merge: 16 took the attention kernel from 80 to 163 registers
 
 
 @T.macro
@@ -497,23 +489,16 @@ def _merge_step(ls, ps, st, step, lanes):
 
 
 @T.macro
-def _merge_gate(G, GH, st, flags, r, h, d, lanes):
-    """The gate of elements (r, h, d .. d + lanes) into st[3 + lanes ..], loaded with the partials rather than
-    after them (a round trip less)."""
-    for v in T.unroll(lanes):
-        st[3 + lanes + v] = T.if_then_else((flags & HAS_GATE) != 0, gate_at(G, GH, flags, r, h, d + v), 0)
-
-
-@T.macro
-def _merge_store(O, LSE, st, flags, r, h, d, lanes, live, write_lse):
-    """Elements (r, h, d .. d + lanes) of the merged output from st (_merge_step, _merge_gate), gated when
-    asked, and the LSE when `write_lse` (one thread a head)."""
+def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse):
+    """Elements (r, h, d .. d + lanes) of the merged output from st (_merge_step), gated when asked, and the
+    LSE when `write_lse` (one thread a head)."""
     inv = T.if_then_else(st[1] > 0, 1.0 / st[1], 0)
     gated = (flags & HAS_GATE) != 0
     if live:
         for v in T.unroll(lanes):
             o = st[3 + v] * inv
-            O[r, h, d + v] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-st[3 + lanes + v])), o), O.dtype)
+            gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d + v), 0)
+            O[r, h, d + v] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), O.dtype)
     if write_lse & ((flags & WRITE_LSE) != 0):
         LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
 
@@ -525,18 +510,17 @@ def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last
     st[0] = NEG_INF
     st[1] = 0
     st[3] = 0
-    _merge_gate(G, GH, st, flags, r, h, d, 1)
     for s0 in T.serial(T.ceildiv(S, MERGE_STEP)):
         for j in T.unroll(MERGE_STEP):
             sj = T.min(s0 * MERGE_STEP + j, S - 1)
             ls[j] = T.if_then_else(s0 * MERGE_STEP + j < S, PL[sj, r, h], NEG_INF)
             ps[j] = T.if_then_else(s0 * MERGE_STEP + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
         _merge_step(ls, ps, st, MERGE_STEP, 1)
-    _merge_store(O, LSE, st, flags, r, h, d, 1, live, last)
+    _merge_store(G, GH, O, LSE, st, flags, r, h, d, 1, live, last)
 
 
 @T.macro
-def _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, S, threads, head_tile, step):
+def _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, S, threads, head_tile):
     """split: the last of the S CTAs of (row, kvh) to finish merges the partials of all S, in split order
     (so the result does not depend on which CTA is last): one launch where a merge kernel would be a
     second. DONE[row, kvh] counts finished CTAs; the caller zeroes it. The classic last-block pattern:
@@ -560,15 +544,14 @@ def _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0,
                 st[1] = 0
                 for v in T.unroll(MERGE_LANES):
                     st[3 + v] = 0
-                _merge_gate(G, GH, st, flags, row, h0 + h, d, MERGE_LANES)
-                for s0 in T.serial(T.ceildiv(S, step)):
-                    for j in T.unroll(step):
-                        sj = T.min(s0 * step + j, S - 1)
-                        ls[j] = T.if_then_else(s0 * step + j < S, PL[sj, row, h0 + h], NEG_INF)
+                for s0 in T.serial(T.ceildiv(S, FUSED_STEP)):
+                    for j in T.unroll(FUSED_STEP):
+                        sj = T.min(s0 * FUSED_STEP + j, S - 1)
+                        ls[j] = T.if_then_else(s0 * FUSED_STEP + j < S, PL[sj, row, h0 + h], NEG_INF)
                         for v in T.vectorized(MERGE_LANES):
                             ps[j * MERGE_LANES + v] = PO[sj, row, h0 + h, d + v]
-                    _merge_step(ls, ps, st, step, MERGE_LANES)
-                _merge_store(O, LSE, st, flags, row, h0 + h, d, MERGE_LANES, True, d == 0)
+                    _merge_step(ls, ps, st, FUSED_STEP, MERGE_LANES)
+                _merge_store(G, GH, O, LSE, st, flags, row, h0 + h, d, MERGE_LANES, True, d == 0)
 
 
 def merge(pdtype, odtype, threads):
@@ -602,7 +585,7 @@ def merge(pdtype, odtype, threads):
             tx = T.get_thread_binding()
             ls = T.alloc_local((MERGE_STEP,), "float32")
             ps = T.alloc_local((MERGE_STEP,), "float32")
-            st = T.alloc_local((5,), "float32")
+            st = T.alloc_local((4,), "float32")
             for i in T.serial(T.ceildiv(D, threads)):
                 # a thread past D repeats element D - 1 without storing it; thread 0's last element writes the LSE
                 _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, T.min(i * threads + tx, D - 1),
