@@ -168,9 +168,10 @@ def qsa_sparse_attention(
     BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
     flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
     gate) in the same launch, by the last CTA of each row and KV head to finish. num_splits=None
-    picks the split count from the row count (see choose_splits). Every native kernel is warp-specialized already (a cp.async producer
-    warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
-    canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
+    picks the split count from the row count (see choose_splits). Every native kernel is
+    warp-specialized already (a cp.async producer warpgroup and an MMA consumer warpgroup):
+    warp_specialized=True is accepted for the canonical 24/2/256 geometry and runs that same
+    kernel. Padded query axes (and those of
     indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
     feature stride and 16-byte aligned base and outer strides. No host synchronization: the
     native path can be captured in a CUDA graph and replayed with new metadata values.
@@ -483,6 +484,8 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
     82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
     One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
+    With the merge fused into the attention launch (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
+    cold graph, splits as run): batch 1 11/17/33: 31.0/34.0/40.3; batch 8 7/11/17/33: 37.6/51.2/50.8/66.1.
     """
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
 

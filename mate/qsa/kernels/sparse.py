@@ -37,7 +37,11 @@ CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
 prologue and epilogue weigh as much as its tiles: binding the group size and
 the softmax sum's reciprocal once took the split kernel's SASS from 121 to 77
 KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
-benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md).
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Merging in the
+attention launch saved less than the merge kernel cost (one row: 32.3 -> 31.0 us
+for the whole call, 8 rows: 40.8 -> 37.6; the old merge kernel alone 13.3 us):
+the last CTA's merge is serial work on one SM, after a fence and an atomic in
+every CTA (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
