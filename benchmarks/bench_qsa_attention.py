@@ -5,8 +5,8 @@ then the row's incomplete tail block, -1 where absent).
   python benchmarks/bench_qsa_attention.py [--batches 1 8 64 256] [--prefill-rows 4096] [--splits 1 2 4 8 16 32]
   python benchmarks/bench_qsa_attention.py --variants main=old_sparse.py new=- main_again=old_sparse.py
 
-`--variants NAME=FILE ...` is the same-run A/B of attention programs (FILE: another version of
-mate/qsa/kernels/sparse.py with the same program signature, `-` the shipped one; mate.testing.program_variants):
+`--variants NAME=FILE ...` is the same-run A/B of attention and merge programs (FILE: another version of
+mate/qsa/kernels/sparse.py with the same program signatures, `-` the shipped one; mate.testing.program_variants):
 every case is checked and timed (cold and back-to-back graph) under each in turn, in the order given, and a
 table closes the output. The baseline and the split sweep are skipped then. With `--profile`, each
 variant's checked call runs once more between cudaProfilerStart/Stop instead of being timed, for
@@ -122,11 +122,12 @@ def compare(args) -> list:
     sources = dict(v.split("=", 1) for v in args.variants)
     sources = {k: None if f == "-" else f for k, f in sources.items()}
     cases = []
-    with program_variants("qsa_attention", sources) as use:
+    with program_variants("qsa_attention", sources) as use, program_variants("qsa_merge", sources) as use_merge:
         for name, p, _, hint in problems(args):
             res = dict(case=name)
             for variant in sources:
                 use(variant)
+                use_merge(variant)
                 call, err = checked_call(f"{name} ({variant})", p)
                 if args.profile:
                     torch.cuda.synchronize()

@@ -318,6 +318,32 @@ def qsa_paged(device, gen):
     return Problem(call, refresh)
 
 
+def qsa_split(device, gen):
+    """SplitKV paged decode in the canonical geometry (24 / 2 heads, a group of 12 in a 16-head tile): 3 splits
+    of a 5-tile list, the last CTA of each (row, KV head) merging them, with a per-head gate and the LSE."""
+    n_req, hq, hkv, D, ps, pages, max_pages, width = 3, 24, 2, 256, 64, 9, 4, 300
+    query = tail_view(gen, (n_req, hq, D), device=device)
+    key = tail_view(gen, (pages, ps, hkv, D), device=device)
+    value = tail_view(gen, (pages, ps, hkv, D), device=device)
+    gate = tail_view(gen, (n_req, hq), device=device)
+    cu = torch.arange(n_req + 1, dtype=I32, device=device)
+    table = torch.zeros(n_req, max_pages, dtype=I32, device=device)
+    tokens = torch.zeros(n_req, width, dtype=I32, device=device)
+
+    def refresh():
+        t = randint(gen, 0, pages, (n_req, max_pages), device)
+        t[1, 2] = -1
+        table.copy_(t)
+        tokens.copy_(qsa_token_rows(gen, n_req, width, max_pages * ps, device))
+
+    def call(backend):
+        return mate.qsa_sparse_attention(query, key, value, tokens, cu_seqlens_q=cu, block_table=table, gate=gate,
+                                         num_splits=3, return_lse=True, backend=backend)
+
+    refresh()
+    return Problem(call, refresh)
+
+
 def qsa_padded(device, gen):
     B, Q, S, hq, hkv, D, width = 2, 5, 40, 8, 2, 256, 11
     query = tail_view(gen, (B, Q, hq, D), device=device)
@@ -370,6 +396,7 @@ CASES = {
     "gqa_paged_decode": gqa_paged_decode,
     "merge_states": merge_states,
     "qsa_paged": qsa_paged,
+    "qsa_split": qsa_split,
     "qsa_padded": qsa_padded,
     "qsa_physical": qsa_physical,
 }

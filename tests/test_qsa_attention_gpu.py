@@ -13,7 +13,7 @@ import torch
 
 import mate
 from helpers import capture_graph, poison_allocator
-from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
+from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests, qsa_serving_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +84,7 @@ def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, widt
 
 
 @pytest.mark.parametrize("width", [1, 7, 2051, 4100])
-@pytest.mark.parametrize("splits", [None, 1, 2])
+@pytest.mark.parametrize("splits", [None, 1, 2, 9, 33])  # 9 and 33: the fused merge's 8-split steps and a remainder
 def test_physical(width, splits):
     gen = torch.Generator().manual_seed(width)
     reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=width, dtype=torch.bfloat16)
@@ -96,6 +96,20 @@ def test_physical(width, splits):
     assert res is out
     ref_out, ref_lse = mate.qsa_sparse_attention(q, k, v, selected_kv_indices=ids, return_lse=True, backend="reference")
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_decode_at_serving_shape(batch):
+    """Issue #16's decode inputs (2051-token selections, 24 / 2 heads, BF16 gate): every split count merges in
+    the attention launch (the last CTA of a row and KV head) to the reference, and the same every call."""
+    p = qsa_serving_problem(torch.Generator().manual_seed(batch), batch, 1)[0]
+    ref_out, ref_lse = mate.qsa_sparse_attention(**p, return_lse=True, backend="reference")
+    for splits in (None, 2, 8, 9, 17, 33):
+        poison_allocator("cuda")
+        out, lse = mate.qsa_sparse_attention(**p, return_lse=True, num_splits=splits)
+        assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+        again = mate.qsa_sparse_attention(**p, return_lse=True, num_splits=splits)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), f"splits {splits}: not deterministic"
 
 
 def block_problem(gen, rows, nb, cap_blocks, compact):

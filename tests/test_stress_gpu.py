@@ -129,6 +129,24 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
 """
 
 
+# QSA's split decode (issue 16): the last CTA of each (row, KV head) merges, counted by an atomic per call. The
+# serving shapes' default split counts (rows 1: 11 splits, rows 8: 7); the result must not change over the launches.
+QSA_DECODE_CHILD = HAMMER + """
+import mate
+from mate.testing import qsa_serving_problem
+gen = torch.Generator().manual_seed(0)
+for batch in (1, 8):
+    p = qsa_serving_problem(gen, batch, 1)[0]
+    first = mate.qsa_sparse_attention(**p)
+    hammer(f"qsa split decode rows {batch}", lambda: mate.qsa_sparse_attention(**p))
+    assert torch.equal(mate.qsa_sparse_attention(**p), first), f"rows {batch}: the result changed over the launches"
+"""
+
+
+def test_qsa_split_decode_finishes_back_to_back_launches():
+    _finish([QSA_DECODE_CHILD, str(LAUNCHES)], 2, "qsa split decode")
+
+
 def test_gqa_option_variants_finish_back_to_back_launches():
     _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")
 

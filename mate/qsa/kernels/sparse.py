@@ -37,7 +37,11 @@ CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
 prologue and epilogue weigh as much as its tiles: binding the group size and
 the softmax sum's reciprocal once took the split kernel's SASS from 121 to 77
 KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
-benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md).
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Merging in the
+attention launch saved less than the merge kernel cost (one row: 32.3 -> 31.0 us
+for the whole call, 8 rows: 40.8 -> 37.6; the old merge kernel alone 13.3 us):
+the last CTA's merge is serial work on one SM, after a fence and an atomic in
+every CTA (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -53,7 +57,9 @@ absent one is a 1-element placeholder that is never read.
 `split=False`: the CTA owns the whole token list and writes the output
 (gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
 owns a contiguous share of the list and writes FP32 partials to a workspace;
-`merge` combines them.
+the last CTA of a (row, KV head) to finish merges them (`_merge_splits`), so a
+split decode is one launch. `merge` is the same combination as a kernel of
+its own, for `merge_attention_states` on caller-made partials.
 """
 
 import tilelang.language as T
@@ -63,6 +69,13 @@ from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
 from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
+
+# split only: a GPU-scope fence (membar.gl) between this thread's partial stores and the split count's atomic,
+# and between reading the count and the partials of the other CTAs; an L2 prefetch (never faults, never waits).
+SPLIT_SOURCE = (
+    '\n__device__ __forceinline__ void mate_gpu_fence() { __threadfence(); }\n'
+    '__device__ __forceinline__ void mate_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }\n'
+)
 
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
@@ -182,6 +195,30 @@ def _list_share(BI, n_slots: T.Ref, block_slots: T.Ref, lo: T.Ref, hi: T.Ref, ro
     last = T.min(n_slots, first + chunk)
     n_tiles = T.ceildiv(T.max(last - first, 0), TILE)
     return blocks, first, last, n_tiles
+
+
+def _prefetch(x):
+    T.evaluate(T.call_extern("handle", "mate_prefetch_l2", T.address_of(x)))
+
+
+@T.macro
+def _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK):
+    """split (decode): the CTA's first loads wait on each other (the row's request, its lengths, the token ids,
+    their pages, then K/V), a DRAM round trip each when cold. Their lines are sent to L2 at once, a line a
+    thread: this split's share of the token list (one line more where it straddles one), the block table
+    row of request `row` (the row's own request in decode, one row a request; elsewhere a few wasted lines),
+    and the request metadata's first lines."""
+    ti_lines = T.ceildiv(chunk, 32) + 1
+    if tx < ti_lines:
+        _prefetch(TI[row, T.min(sp * chunk + tx * 32, W - 1)])
+    elif tx < ti_lines + T.ceildiv(MP, 32):
+        _prefetch(BT[T.min(row, BTB - 1), T.min((tx - ti_lines) * 32, MP - 1)])
+    if tx == threads - 1:
+        _prefetch(ROWMAP[0])
+    if tx == threads - 2:
+        _prefetch(ROWMAP[T.min(row, NM - 1)])
+    if tx == threads - 3:
+        _prefetch(SLK[0])
 
 
 @T.macro
@@ -309,13 +346,13 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
     )
     sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
     shr, shh, shd = T.dynamic("shr shh shd", "int64")
-    odtype = "float32" if split else dtype
+    RP, HP, RC, HC, NX = T.dynamic("RP HP RC HC NX")
+    sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE  # one import per program
     if split:
-        o_shape, o_strides = (SPL, RO, HO, DIM), None
-        l_shape, l_strides = (SPL, RL, HL), None
-    else:
-        o_shape, o_strides = (RO, HO, DIM), (sor, soh, sod)
-        l_shape, l_strides = (RL, HL), (slr, slh)
+        # the FP32 partials of every split and the per-(row, KV head) count of finished splits (zeroed by the caller)
+        part_o, part_lse, done = T.Tensor((SPL, RP, HP, DIM), "float32"), T.Tensor((SPL, RP, HP), "float32"), T.Tensor((RC, HC), "int32")
+    else:  # 1-element placeholders, never read
+        part_o, part_lse, done = T.Tensor((NX,), "float32"), T.Tensor((NX,), "float32"), T.Tensor((NX,), "int32")
 
     @T.prim_func
     def main(
@@ -331,8 +368,11 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         QP: T.StridedTensor((NQP,), (sqp,), "int32"),
         G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
         GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
-        O: T.StridedTensor(o_shape, o_strides, odtype) if not split else T.Tensor(o_shape, odtype),
-        LSE: T.StridedTensor(l_shape, l_strides, "float32") if not split else T.Tensor(l_shape, "float32"),
+        O: T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype),
+        LSE: T.StridedTensor((RL, HL), (slr, slh), "float32"),
+        PO: part_o,
+        PL: part_lse,
+        DONE: done,
         scale: T.float32,
         row_mode: T.int32,
         flags: T.int32,
@@ -341,7 +381,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         chunk: T.int32,
     ):
         with T.Kernel(R, HKV, SPL if split else 1, threads=threads) as (row, kvh, sp):
-            T.import_source(FENCE_SOURCE)
+            T.import_source(sources)
             Qs = T.alloc_shared((head_tile, DIM), dtype)
             Ks = T.alloc_shared((num_stages, TILE, DIM), dtype)
             Vs = T.alloc_shared((num_stages, TILE, DIM), dtype)
@@ -368,6 +408,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             T.assume(svp % 8 == 0)
             T.assume(svs % 8 == 0)
             T.assume(svh % 8 == 0)
+            if split:
+                _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK)
 
             # bound once: as expressions, the division and its floor fixups are re-emitted (int64 in the
             # output's index) in every unrolled load and store
@@ -409,54 +451,111 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                     _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    _store_partial(O, LSE, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
+                    _store_partial(PO, PL, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
                 else:
                     _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
+            if split:
+                ls = T.alloc_local((FUSED_STEP,), "float32")
+                ps = T.alloc_local((MERGE_LANES * FUSED_STEP,), "float32")
+                st = T.alloc_local((3 + MERGE_LANES,), "float32")
+                _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, SPL,
+                              threads, head_tile)
 
     return main
 
 
+# Splits a step of a merge: their loads are in flight together (one L2 round trip for up to 16 splits).
+MERGE_STEP = 16
+MERGE_LANES = 4  # elements of one head a thread of the fused merge owns: one 16-byte load a split
+FUSED_STEP = 8  # splits a step of the fused merge: 16 took the attention kernel from 80 to 163 registers
+
+
 @T.macro
-def _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, unroll, odtype):
-    """One (row, head) of the merge, `unroll` splits a step: their loads go out together (predicated on the
-    split count only) and are masked afterwards; a load under the -inf test of the one before it waited
-    for it (16 splits of one row: 20.4 us, 15.4 us this way, H200). st holds the running max, the sum
-    of exponentials and one output element's accumulator."""
-    st[0] = NEG_INF
-    for s0 in T.serial(T.ceildiv(S, unroll)):
-        for j in T.unroll(unroll):
-            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
-        for j in T.unroll(unroll):
-            st[0] = T.max(st[0], ls[j])
-    st[1] = 0
-    for s0 in T.serial(T.ceildiv(S, unroll)):
-        for j in T.unroll(unroll):
-            ls[j] = T.if_then_else(s0 * unroll + j < S, PL[T.min(s0 * unroll + j, S - 1), r, h], NEG_INF)
-        for j in T.unroll(unroll):
-            st[1] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]), 0)
+def _merge_step(ls, ps, st, step, lanes):
+    """One step of the online merge: `step` splits' LSEs ls (-inf: no key, or past the split count) and
+    partials ps (`lanes` elements a split) fold into st = [running max, sum of weights, the step's max,
+    `lanes` accumulators]. A split with l_s = -inf weighs 0 and its partial (possibly NaN) is selected
+    away, never multiplied."""
+    st[2] = st[0]
+    for j in T.unroll(step):
+        st[2] = T.max(st[2], ls[j])
+    # new max -inf: nothing live yet, the sums stay 0; else exp(-inf) = 0 rescales a first live step's zeros
+    rescale = T.if_then_else(st[2] > NEG_INF, T.exp2((st[0] - st[2]) * LOG2E), 1)
+    st[1] *= rescale
+    for v in T.unroll(lanes):
+        st[3 + v] *= rescale
+    for j in T.unroll(step):
+        w = T.if_then_else(ls[j] > NEG_INF, T.exp2((ls[j] - st[2]) * LOG2E), 0)
+        st[1] += w
+        for v in T.unroll(lanes):
+            st[3 + v] += T.if_then_else(ls[j] > NEG_INF, w * ps[j * lanes + v], 0)
+    st[0] = st[2]
+
+
+@T.macro
+def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse):
+    """Elements (r, h, d .. d + lanes) of the merged output from st (_merge_step), gated when asked, and the
+    LSE when `write_lse` (one thread a head)."""
+    inv = T.if_then_else(st[1] > 0, 1.0 / st[1], 0)
     gated = (flags & HAS_GATE) != 0
-    for i in T.serial(T.ceildiv(D, threads)):
-        d = T.min(i * threads + tx, D - 1)
-        st[2] = 0
-        for s0 in T.serial(T.ceildiv(S, unroll)):
-            for j in T.unroll(unroll):
-                sj = T.min(s0 * unroll + j, S - 1)
-                ls[j] = T.if_then_else(s0 * unroll + j < S, PL[sj, r, h], NEG_INF)
-                ps[j] = T.if_then_else(s0 * unroll + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
-            for j in T.unroll(unroll):
-                # a split without keys (-inf) may hold anything, NaN included: select, never multiply
-                st[2] += T.if_then_else(ls[j] > NEG_INF, T.exp(ls[j] - st[0]) * ps[j], 0)
-        if i * threads + tx < D:
-            o = T.if_then_else(st[1] > 0, st[2] / st[1], 0)
-            gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d), 0)
-            O[r, h, d] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), odtype)
-    if ((flags & WRITE_LSE) != 0) & (tx == 0):
+    if live:
+        for v in T.unroll(lanes):
+            o = st[3 + v] * inv
+            gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d + v), 0)
+            O[r, h, d + v] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), O.dtype)
+    if write_lse & ((flags & WRITE_LSE) != 0):
         LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
 
 
-# Splits a step: 16 for many splits (one round trip for 16), 4 for few, where the unused slots of a 16-wide
-# step cost instructions that many rows make visible (4 splits x 256 rows: 40 us at 4, 78 us at 16).
-MERGE_UNROLL = (4, 16)
+@T.macro
+def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last, S):
+    """The merge kernel's output element (r, h, d) in one pass over the splits, MERGE_STEP a step: the step's
+    LSE and partial loads go out together (predicated on the split count only), then _merge_step."""
+    st[0] = NEG_INF
+    st[1] = 0
+    st[3] = 0
+    for s0 in T.serial(T.ceildiv(S, MERGE_STEP)):
+        for j in T.unroll(MERGE_STEP):
+            sj = T.min(s0 * MERGE_STEP + j, S - 1)
+            ls[j] = T.if_then_else(s0 * MERGE_STEP + j < S, PL[sj, r, h], NEG_INF)
+            ps[j] = T.if_then_else(s0 * MERGE_STEP + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
+        _merge_step(ls, ps, st, MERGE_STEP, 1)
+    _merge_store(G, GH, O, LSE, st, flags, r, h, d, 1, live, last)
+
+
+@T.macro
+def _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, S, threads, head_tile):
+    """split: the last of the S CTAs of (row, kvh) to finish merges the partials of all S, in split order
+    (so the result does not depend on which CTA is last): one launch where a merge kernel would be a
+    second. DONE[row, kvh] counts finished CTAs; the caller zeroes it. The classic last-block pattern:
+    every thread fences its partial stores before the count goes up, the last CTA fences before reading."""
+    T.evaluate(T.call_extern("handle", "mate_gpu_fence"))
+    T.sync_threads()
+    if tx == 0:
+        counts[0] = T.atomic_add(DONE[row, kvh], 1, return_prev=True)
+    T.sync_threads()
+    fence()
+    if counts[0] == S - 1:
+        T.evaluate(T.call_extern("handle", "mate_gpu_fence"))
+        # a thread owns MERGE_LANES consecutive elements of one head, all threads of the CTA together
+        # threads * MERGE_LANES elements (a multiple of DIM): each step is one 16-byte load per split
+        for i in T.serial(head_tile * DIM // (threads * MERGE_LANES)):
+            e = (i * threads + tx) * MERGE_LANES
+            h = e // DIM
+            d = e % DIM
+            if h < group:
+                st[0] = NEG_INF
+                st[1] = 0
+                for v in T.unroll(MERGE_LANES):
+                    st[3 + v] = 0
+                for s0 in T.serial(T.ceildiv(S, FUSED_STEP)):
+                    for j in T.unroll(FUSED_STEP):
+                        sj = T.min(s0 * FUSED_STEP + j, S - 1)
+                        ls[j] = T.if_then_else(s0 * FUSED_STEP + j < S, PL[sj, row, h0 + h], NEG_INF)
+                        for v in T.vectorized(MERGE_LANES):
+                            ps[j * MERGE_LANES + v] = PO[sj, row, h0 + h, d + v]
+                    _merge_step(ls, ps, st, FUSED_STEP, MERGE_LANES)
+                _merge_store(G, GH, O, LSE, st, flags, row, h0 + h, d, MERGE_LANES, True, d == 0)
 
 
 def merge(pdtype, odtype, threads):
@@ -471,7 +570,6 @@ def merge(pdtype, odtype, threads):
     sps, spr, sph, spd, sls, slr, slh, sgr, sgh, sgd, shr, shh, shd, sor, soh, sod, smr, smh = T.dynamic(
         "sps spr sph spd sls slr slh sgr sgh sgd shr shh shd sor soh sod smr smh", "int64"
     )
-    few, many = MERGE_UNROLL
 
     @T.prim_func
     def main(
@@ -484,15 +582,17 @@ def merge(pdtype, odtype, threads):
         flags: T.int32,
     ):
         with T.Kernel(R * H, threads=threads) as bx:
+            r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
+            h = T.alloc_var("int32")
             r = bx // H
             h = bx % H
             tx = T.get_thread_binding()
-            ls = T.alloc_local((many,), "float32")
-            ps = T.alloc_local((many,), "float32")
-            st = T.alloc_local((3,), "float32")
-            if S <= 2 * few:
-                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, few, odtype)
-            else:
-                _merge_row(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, tx, S, D, threads, many, odtype)
+            ls = T.alloc_local((MERGE_STEP,), "float32")
+            ps = T.alloc_local((MERGE_STEP,), "float32")
+            st = T.alloc_local((4,), "float32")
+            for i in T.serial(T.ceildiv(D, threads)):
+                # a thread past D repeats element D - 1 without storing it; thread 0's last element writes the LSE
+                _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, T.min(i * threads + tx, D - 1),
+                               i * threads + tx < D, (tx == 0) & (i == T.ceildiv(D, threads) - 1), S)
 
     return main

@@ -1,0 +1,60 @@
+"""The public SplitKV merge (mate.merge_attention_states) against another version of its program, in one process.
+
+    git show REV:mate/qsa/kernels/sparse.py > /tmp/old_sparse.py
+    python benchmarks/qsa_merge_ab.py --against /tmp/old_sparse.py [--out FILE]
+
+Per case (splits, rows, heads, D; FP32 partials with a third of the splits -inf, BF16 output, LSE written), both
+programs run on the same inputs through the public API (mate.testing.program_variants switches the merge program),
+are checked against the reference and timed as one call per CUDA-graph replay with L2 flushed (do_bench median),
+in two interleaved rounds; the smaller is reported. The other source must define `merge` with the same signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from bench_qsa_attention import cold_graph_us
+from common import RESULTS, environment, rel_err, write_json
+
+import mate
+from mate.testing import program_variants
+
+# QSA's (24 heads, D 256) at the decode split counts and the issue's public-merge shapes; GQA decode's (64 heads, D 128)
+CASES = [(11, 1, 24, 256), (7, 8, 24, 256), (4, 256, 24, 256), (8, 64, 24, 256), (16, 8, 64, 128), (4, 64, 64, 128)]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", type=Path, required=True, help="the other version of mate/qsa/kernels/sparse.py")
+    ap.add_argument("--out", type=Path, default=RESULTS / "qsa_merge_ab.json")
+    a = ap.parse_args(argv)
+    sources = {"current": None, "other": a.against}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with program_variants("qsa_merge", sources) as use:
+        for splits, r, h, d in CASES:
+            po = torch.randn(splits, r, h, d, generator=gen).cuda()
+            pl = torch.randn(splits, r, h, generator=gen).cuda()
+            pl[torch.rand(splits, r, h, generator=gen).cuda() < 0.3] = float("-inf")
+            ref, ref_lse = mate.merge_attention_states(po, pl, out_dtype=torch.bfloat16, backend="reference")
+            res = dict(splits=splits, rows=r, heads=h, dim=d, us={}, rel_err={})
+            for _ in range(2):
+                for name in sources:
+                    use(name)
+                    out, lse = mate.merge_attention_states(po, pl, out_dtype=torch.bfloat16)
+                    res["rel_err"][name] = max(rel_err(out, ref), rel_err(lse, ref_lse))
+                    assert res["rel_err"][name] < 1e-2, (name, res)
+                    t = cold_graph_us(lambda: mate.merge_attention_states(po, pl, out_dtype=torch.bfloat16))
+                    res["us"][name] = min(res["us"].get(name, t), t)
+            rows.append(res)
+            print(f"merge {splits} splits x {r} rows x {h} heads x D {d}: current {res['us']['current']:.1f} us, "
+                  f"other {res['us']['other']:.1f} us", flush=True)
+    result = dict(environment(), against=str(a.against), cases=rows)
+    write_json(a.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
