@@ -27,9 +27,7 @@ arrivals plus one plain arrival per producer thread, which also publishes the
 stage's token-valid flags) and an `empty` one (consumer -> producer); the
 split=0 kernel (prefill, wide decode) has a pair for K and a pair for V, so that
 a tile's K gather waits only for the previous S GEMM and its V gather only for
-the previous PV GEMM, and it loads the next chunk's token ids ahead; its consumer
-issues the next tile's S GEMM (asynchronous wgmma) before this tile's softmax
-(a PV GEMM left in flight the same way made ptxas serialize every wgmma). Both
+the previous PV GEMM, and it loads the next chunk's token ids ahead. Both
 roles run the same number of tiles, zero included, so no copy is ever left in
 flight. Named barriers: TileLang's cross-warp reductions in the consumer use
 ids 1 and 2, so the producer syncs on 3.
@@ -336,39 +334,6 @@ def _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, 
     T.barrier_arrive(v_empty[st])
 
 
-@T.macro
-def _consume_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, S_next, rowsum, Pf, acc, m_cur, m_prev, alpha, n_tiles,
-                scale_log2, num_stages, head_tile):
-    """split=0 consumer: tile it + 1's S GEMM is issued (asynchronous wgmma) before tile it's softmax and
-    completes under it and the PV GEMM, so the tile's chain is softmax + PV and not S + softmax + PV."""
-    if n_tiles > 0:
-        T.barrier_wait(k_full[0], 0)
-        fence()
-        T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
-        T.gemm(Ks[0, :, :], Qs, S, transpose_B=True, clear_accum=True)
-    for it in T.serial(n_tiles):
-        st = it % num_stages
-        for k, h in T.Parallel(TILE, head_tile):
-            S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
-        fence()
-        T.barrier_arrive(k_empty[st])
-        if it + 1 < n_tiles:
-            nx = (it + 1) % num_stages
-            T.barrier_wait(k_full[nx], ((it + 1) // num_stages) & 1)
-            fence()
-            T.fence_proxy_async()
-            T.wgmma_gemm(Ks[nx, :, :], Qs, S_next, transpose_B=True, clear_accum=True)
-        softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
-        publish_p_keys_as_m(S, Pf, Ps, acc, alpha, CONSUMER_BARRIER, 128, DIM, head_tile)
-        T.barrier_wait(v_full[st], (it // num_stages) & 1)
-        fence()
-        T.fence_proxy_async()
-        T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)  # its wait covers S_next's wgmma, issued before it
-        fence()
-        T.barrier_arrive(v_empty[st])
-        T.copy(S_next, S)
-
-
 def gate_at(G, GH, flags, r, h, d):
     """The gate at (r, h, d) in FP32: from GH (the output's dtype) under GATE_NATIVE, else from G (FP32). Each
     index is clamped to its own buffer, so that a read of the other one (a 1-element placeholder) stays inside it."""
@@ -530,13 +495,12 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                 T.fill(rowsum, 0)
                 T.fill(m_cur, M_FLOOR)
                 scale_log2 = scale * LOG2E
-                if split:
-                    for it in T.serial(n_tiles):
+                for it in T.serial(n_tiles):
+                    if split:
                         _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
-                else:
-                    S_next = T.alloc_fragment((TILE, head_tile), "float32")
-                    _consume_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, S_next, rowsum, Pf, acc, m_cur, m_prev,
-                                alpha, n_tiles, scale_log2, num_stages, head_tile)
+                    else:
+                        _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
+                                        m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
                     _store_partial(O, LSE, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
