@@ -40,7 +40,11 @@ CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
 prologue and epilogue weigh as much as its tiles: binding the group size and
 the softmax sum's reciprocal once took the split kernel's SASS from 121 to 77
 KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
-benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md).
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Prefill is not
+bound by L2 or DRAM: folding every selected token into a quarter of the pool
+(16.8 MB of K/V instead of 67 MB) saved 2% (H200, 4096 rows); the separate K/V
+barriers saved 11% (3679 -> 3277 us;
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
