@@ -24,7 +24,10 @@ then gathers each tile's K/V rows with cp.async (one 512-byte row per warp
 instruction, zero-filled for a masked token) into a ring of `num_stages`
 tiles. Each stage has a `full` mbarrier (producer -> consumer: the cp.async
 arrivals plus one plain arrival per producer thread, which also publishes the
-stage's token-valid flags) and an `empty` one (consumer -> producer). Both
+stage's token-valid flags) and an `empty` one (consumer -> producer); the
+split=0 kernel (prefill, wide decode) has a pair for K and a pair for V, so that
+a tile's K gather waits only for the previous S GEMM and its V gather only for
+the previous PV GEMM, and it loads the next chunk's token ids ahead. Both
 roles run the same number of tiles, zero included, so no copy is ever left in
 flight. Named barriers: TileLang's cross-warp reductions in the consumer use
 ids 1 and 2, so the producer syncs on 3.
@@ -42,6 +45,10 @@ attention launch saved less than the merge kernel cost (one row: 32.3 -> 31.0 us
 for the whole call, 8 rows: 40.8 -> 37.6; the old merge kernel alone 13.3 us):
 the last CTA's merge is serial work on one SM, after a fence and an atomic in
 every CTA (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md).
+Prefill is not bound by L2 or DRAM: folding every selected token into a
+quarter of the pool (16.8 MB of K/V instead of 67 MB) saved 2% (H200, 4096
+rows); the separate K/V barriers saved 11% (3679 -> 3277 us;
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -292,6 +299,82 @@ def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, 
     T.barrier_arrive(empty[st])
 
 
+@T.macro
+def _gather_rows(X, Xs, tok_page, tok_slot, st, c, kvh, dtype):
+    """Tile rows of K or V into stage st by cp.async, zero-filled for masked tokens."""
+    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+        Xs[st, k, d] = T.if_then_else(
+            tok_page[c + k] >= 0, X[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
+        )
+
+
+@T.macro
+def _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype):
+    """split=0: tile `it`'s K rows as soon as the consumer's S GEMM has freed the K stage, then its V rows once
+    its PV GEMM has freed the V stage; each half lands on its own full barrier (the valid flags ride with K).
+    With one stage the next K gather overlaps the consumer's softmax and PV GEMM, and the next V gather its
+    S GEMM: one full-tile barrier serialized the tile's gather with all of the tile's math."""
+    st = it % num_stages
+    c = (it % DECODE_TILES) * TILE
+    phase = ((it // num_stages) & 1) ^ 1
+    T.barrier_wait(k_empty[st], phase)
+    fence()
+    if ptx < TILE:
+        valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
+    _gather_rows(K, Ks, tok_page, tok_slot, st, c, kvh, dtype)
+    fence()
+    T.cp_async_barrier_noinc(k_full[st])
+    T.barrier_arrive(k_full[st])
+    T.barrier_wait(v_empty[st], phase)
+    fence()
+    _gather_rows(V, Vs, tok_page, tok_slot, st, c, kvh, dtype)
+    fence()
+    T.cp_async_barrier_noinc(v_full[st])
+    T.barrier_arrive(v_full[st])
+
+
+@T.macro
+def _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, row, ptx, kvh,
+                n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS):
+    """split=0 producer: the token ids of chunk n + 1 are loaded while chunk n is gathered (a chunk's page
+    lookups wait only for block_table, not for token_indices first), then tiles go out by _gather_tile_kv."""
+    _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB)
+    for it in T.serial(n_tiles):
+        if it % DECODE_TILES == 0:
+            # every producer thread is done reading the previous chunk's addresses
+            T.sync_threads(PRODUCER_BARRIER, 128)
+            fence()
+            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
+            _decode_tokens(TI, BI, tok, row, it + DECODE_TILES, ptx, first, last, block_slots, blocks, NB)
+            T.sync_threads(PRODUCER_BARRIER, 128)
+            fence()
+        _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype)
+
+
+@T.macro
+def _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile):
+    """split=0: _attend_tile on separate K and V barriers; the K stage (and its valid flags) is handed back
+    right after the masked scores, before the softmax."""
+    st = it % num_stages
+    phase = (it // num_stages) & 1
+    T.barrier_wait(k_full[st], phase)
+    fence()
+    T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
+    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+    for k, h in T.Parallel(TILE, head_tile):
+        S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
+    fence()
+    T.barrier_arrive(k_empty[st])
+    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
+    publish_p_keys_as_m(S, Pf, Ps, acc, alpha, CONSUMER_BARRIER, 128, DIM, head_tile)
+    T.barrier_wait(v_full[st], phase)
+    fence()
+    T.fence_proxy_async()
+    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
+    fence()
+    T.barrier_arrive(v_empty[st])
+
+
 def gate_at(G, GH, flags, r, h, d):
     """The gate at (r, h, d) in FP32: from GH (the output's dtype) under GATE_NATIVE, else from G (FP32). Each
     index is clamped to its own buffer, so that a read of the other one (a 1-element placeholder) stays inside it."""
@@ -392,8 +475,14 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             tok = T.alloc_local((PER_THREAD,), "int32")
             pg = T.alloc_local((PER_THREAD,), "int32")
             counts = T.alloc_shared((2,), "int32", scope="shared")
-            full = T.alloc_barrier([2 * 128] * num_stages)
-            empty = T.alloc_barrier([128] * num_stages)
+            if split:
+                full = T.alloc_barrier([2 * 128] * num_stages)
+                empty = T.alloc_barrier([128] * num_stages)
+            else:
+                k_full = T.alloc_barrier([2 * 128] * num_stages)
+                k_empty = T.alloc_barrier([128] * num_stages)
+                v_full = T.alloc_barrier([2 * 128] * num_stages)
+                v_empty = T.alloc_barrier([128] * num_stages)
             S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
             local = T.alloc_var("int32")
@@ -426,16 +515,21 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             if tx < 128:
                 # ---------------- producer
                 ptx = tx
-                for it in T.serial(n_tiles):
-                    if it % DECODE_TILES == 0:
-                        # every producer thread is done reading the previous chunk's addresses
-                        T.sync_threads(PRODUCER_BARRIER, 128)
-                        fence()
-                        _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
-                        _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
-                        T.sync_threads(PRODUCER_BARRIER, 128)
-                        fence()
-                    _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
+                if split:
+                    for it in T.serial(n_tiles):
+                        if it % DECODE_TILES == 0:
+                            # every producer thread is done reading the previous chunk's addresses
+                            T.sync_threads(PRODUCER_BARRIER, 128)
+                            fence()
+                            _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
+                            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
+                            T.sync_threads(PRODUCER_BARRIER, 128)
+                            fence()
+                        _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
+                else:
+                    _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty,
+                                row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
+                                num_stages, dtype, NB, P, PS)
             else:
                 # ---------------- consumer
                 # Heads past the group are zero rows of Q, never stored.
@@ -448,7 +542,11 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                 T.fill(m_cur, M_FLOOR)
                 scale_log2 = scale * LOG2E
                 for it in T.serial(n_tiles):
-                    _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
+                    if split:
+                        _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
+                    else:
+                        _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
+                                        m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
                     _store_partial(PO, PL, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
