@@ -268,14 +268,8 @@ def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, 
     fence()
     if ptx < TILE:
         valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
-    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        Ks[st, k, d] = T.if_then_else(
-            tok_page[c + k] >= 0, K[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
-        )
-    for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        Vs[st, k, d] = T.if_then_else(
-            tok_page[c + k] >= 0, V[T.max(tok_page[c + k], 0), tok_slot[c + k], kvh, d], ZERO(dtype)
-        )
+    _gather_rows(K, Ks, tok_page, tok_slot, st, c, kvh, dtype)
+    _gather_rows(V, Vs, tok_page, tok_slot, st, c, kvh, dtype)
     fence()
     T.cp_async_barrier_noinc(full[st])
     T.barrier_arrive(full[st])
