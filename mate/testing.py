@@ -600,6 +600,16 @@ def _variant_card(card, name: str, source: Path):
     return dataclasses.replace(card, module=name, pass_configs=passes)
 
 
+def compile_variant(stage: str, name: str, source, key: str, tiles: dict | None = None, target: str = "sm90") -> None:
+    """Compile version `name` of `stage`'s program (a file, as program_variants takes it, or None: the shipped
+    one) at config key `key`, with `tiles` (default: the config's), into TileLang's disk cache, which keys a
+    kernel by its program: a benchmark's worker pool compiles its versions with this before the timed
+    process, whose program_variants(stage, {name: source}) then loads them."""
+    with program_variants(stage, {name: source}) as use:
+        use(name)
+        _dispatch.compile_program(stage, _dispatch.parse_key(key), target, tiles)
+
+
 @contextlib.contextmanager
 def program_variants(stage: str, sources: dict):
     """Run `stage` with one of several versions of its program source, switched by name; yields `use(name)`.

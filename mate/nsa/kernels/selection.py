@@ -68,16 +68,19 @@ CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own 
 # 1 KB of it reserved per CTA). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
 # a race: TileLang's AllReduce has no barrier after its last read of the scratch.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
+# L2 policy of the K/V gathers: a group's K/V (32 MB at the seed shape) is re-read by every query of the
+# group, while Q, O, the indices and the LSE stream through L2 once; evict_last keeps the K/V lines.
+KV_EVICTION = "evict_last"
 
 
 @T.macro
 def _tile_copy(src, dst, bar, st, b, g, n0, n1, c0, block_size, per_tile):
     # One 64-column panel of a tile by TMA, counted on `bar` (the leader lane expects the bytes).
     T.tma_copy(src[b, n0 : n0 + block_size, g, c0 : c0 + 64], dst[st, 0:block_size, c0 : c0 + 64], barrier=bar[st],
-               leader_scope_threads=32)
+               leader_scope_threads=32, eviction_policy=KV_EVICTION)
     if per_tile == 2:
         T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
-                   barrier=bar[st], leader_scope_threads=32)
+                   barrier=bar[st], leader_scope_threads=32, eviction_policy=KV_EVICTION)
 
 
 @T.macro
@@ -117,14 +120,12 @@ def _compact_blocks(BI, blocks, used, bb, bm, bg, slots, last_block):
 
 
 @T.macro
-def _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
+def _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
     # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the rows past the
     # query (a causally future token of the block, or garbage in a cache) and a masked repeat are
-    # zeroed first. Only a tile that holds such keys pays (the CTA's last one or two, typically):
+    # zeroed first. Only a tile that holds such keys pays (`masked`, decided before the V wait):
     # generic stores, the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
-    last0 = blocks[it * per_tile] * block_size + block_size - 1
-    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
-    if (last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))):
+    if masked != 0:
         for k, d in T.Parallel(TILE_KEYS, dim):
             slot = it * per_tile + k // block_size
             n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
@@ -135,10 +136,15 @@ def _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, t
 
 
 @T.macro
-def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev, alpha,
+def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev, alpha, masked,
                  it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
     """One tile of the consumer. K is released right after S^T = K Q^T, so the next K load overlaps the softmax."""
     st = it % num_stages
+    # Whether the tile holds keys past the query or a masked repeat (its V rows are zeroed below), read
+    # here, off the path from the V load's arrival to the P.V wgmma.
+    last0 = blocks[it * per_tile] * block_size + block_size - 1
+    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
+    masked = T.if_then_else((last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))), 1, 0)
     T.barrier_wait(k_full[st], (it // num_stages) & 1)
     fence()
     T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
@@ -152,7 +158,7 @@ def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, ro
     publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
     T.barrier_wait(v_full[st], (it // num_stages) & 1)
     fence()
-    _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
+    _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
     T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
     fence()
     T.barrier_arrive(v_empty[st])
@@ -266,9 +272,10 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                 T.fill(acc, 0)
                 T.fill(rowsum, 0)
                 T.fill(m_cur, NEG_INF)
+                masked = T.alloc_var("int32")
                 for it in T.serial(n_tiles):
                     _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev,
-                                 alpha, it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
+                                 alpha, masked, it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, head_tile, threads)
 
