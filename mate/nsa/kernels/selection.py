@@ -48,7 +48,10 @@ the same 32 KB tiles from an L2-resident pool, with no attention math, takes
 CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM, and one more KB (MAX_SLOTS =
 256) dropped it to 2 CTAs and cost 18%. Against the automatic producer this
 program replaced, at the same tiles: 0.84 to 1.00 of its time
-(benchmarks/nsa_ab.py).
+(benchmarks/nsa_ab.py). Since the V zeroing (2026-12-01, NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md):
+30.1 ms at 3 CTAs per SM (without the zeroing 28.7), 28.7 ms at 4; evict_last on the K/V loads
+changed nothing. Fewer gathers are the only way under ~26 ms; on the benchmark's random indices
+deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them (same file).
 """
 
 import tilelang.language as T
@@ -68,19 +71,16 @@ CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own 
 # 1 KB of it reserved per CTA). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
 # a race: TileLang's AllReduce has no barrier after its last read of the scratch.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
-# L2 policy of the K/V gathers: a group's K/V (32 MB at the seed shape) is re-read by every query of the
-# group, while Q, O, the indices and the LSE stream through L2 once; evict_last keeps the K/V lines.
-KV_EVICTION = "evict_last"
 
 
 @T.macro
 def _tile_copy(src, dst, bar, st, b, g, n0, n1, c0, block_size, per_tile):
     # One 64-column panel of a tile by TMA, counted on `bar` (the leader lane expects the bytes).
     T.tma_copy(src[b, n0 : n0 + block_size, g, c0 : c0 + 64], dst[st, 0:block_size, c0 : c0 + 64], barrier=bar[st],
-               leader_scope_threads=32, eviction_policy=KV_EVICTION)
+               leader_scope_threads=32)
     if per_tile == 2:
         T.tma_copy(src[b, n1 : n1 + block_size, g, c0 : c0 + 64], dst[st, block_size:TILE_KEYS, c0 : c0 + 64],
-                   barrier=bar[st], leader_scope_threads=32, eviction_policy=KV_EVICTION)
+                   barrier=bar[st], leader_scope_threads=32)
 
 
 @T.macro
@@ -119,12 +119,19 @@ def _compact_blocks(BI, blocks, used, bb, bm, bg, slots, last_block):
             used[0] = rank + keep
 
 
+def _masked_tile(blocks, it, n_used, pos, block_size, per_tile):
+    """1 if tile `it` holds keys past the query (its block's end is past `pos`) or a masked repeat, else 0."""
+    last0 = blocks[it * per_tile] * block_size + block_size - 1
+    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
+    return T.if_then_else((last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))), 1, 0)
+
+
 @T.macro
 def _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
     # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the rows past the
     # query (a causally future token of the block, or garbage in a cache) and a masked repeat are
-    # zeroed first. Only a tile that holds such keys pays (`masked`, decided before the V wait):
-    # generic stores, the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
+    # zeroed first. Only a tile that holds such keys pays (`masked`: _masked_tile): generic stores,
+    # the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
     if masked != 0:
         for k, d in T.Parallel(TILE_KEYS, dim):
             slot = it * per_tile + k // block_size
@@ -140,11 +147,9 @@ def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, ro
                  it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
     """One tile of the consumer. K is released right after S^T = K Q^T, so the next K load overlaps the softmax."""
     st = it % num_stages
-    # Whether the tile holds keys past the query or a masked repeat (its V rows are zeroed below), read
-    # here, off the path from the V load's arrival to the P.V wgmma.
-    last0 = blocks[it * per_tile] * block_size + block_size - 1
-    last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
-    masked = T.if_then_else((last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))), 1, 0)
+    # Read here, off the path from the V load's arrival to the P.V wgmma: on the H200 that path was 2.4%
+    # of the seed shape's time (benchmarks/results/NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md).
+    masked = _masked_tile(blocks, it, n_used, pos, block_size, per_tile)
     T.barrier_wait(k_full[st], (it // num_stages) & 1)
     fence()
     T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
