@@ -1,23 +1,32 @@
-"""The NSA selection kernel against another version of its source, in one process on the same data.
+"""The NSA selection kernel against other versions of its source, in one process on the same data.
 
     git show REV:mate/nsa/kernels/selection.py > /tmp/old_selection.py
     python benchmarks/nsa_ab.py --against /tmp/old_selection.py [--tiles 2/3 2/2] [--out FILE]
+    python benchmarks/nsa_ab.py --against old=/tmp/old.py try=/tmp/try.py --seed-only --heads 128:8 64:8 --jobs 16
 
 For a kernel change, side by side: per case (specialization key, num_stages /
-CTAs per SM, shape), both programs are compiled with the same tiles and run on
-one workload (the tuner's), each checked against the reference on its last
-rows, then timed in three interleaved rounds of do_bench medians; the middle
-round is reported. Cases: the four bfloat16 keys on the tuner's quick shape
-(L = 8192, H = 128, G = 8, T = 16), and the seed shape of issue 5 (L = 65536,
-D = 128, block 64). The other source must define `nsa_selection_fwd` with the
-same signature; its PASS_CONFIGS are used if it has them. Both run through the public API
-(mate.testing.program_variants switches the program; the workload is the tuner's,
-mate.testing.nsa_selection_workload).
+CTAs per SM, shape), every program (the shipped one, "current", and each
+--against NAME=FILE, a plain FILE being "other") is compiled with the same
+tiles and run on one workload (the tuner's), checked against the reference on
+its last rows (and every output compared bitwise with the current one's), then timed in three interleaved rounds of do_bench medians; the
+middle round is reported, with each version's ratio to the current one. Cases:
+the four bfloat16 keys on the tuner's quick shape (L = 8192, H = 128, G = 8,
+T = 16), and the seed shape of issue 5 (L = 65536, D = 128, block 64) at each
+--heads H:G; --seed-only keeps the seed shape's cases. --jobs N compiles every
+case's programs first in N processes (TileLang's disk cache keys a kernel by
+its program, so the timed process loads them). The other sources must define
+`nsa_selection_fwd` with the same signature; their PASS_CONFIGS are used if
+they have them. All run through the public API (mate.testing.program_variants
+switches the program; the workload is the tuner's, mate.testing.nsa_selection_workload).
+A version that is not the same function (a timing probe that leaves a step
+out) shows its error and is timed all the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -26,55 +35,104 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import RESULTS, environment, median_ms, write_json  # noqa: E402
-from mate.testing import nsa_selection_workload, program_variants, using_tiles  # noqa: E402
+from mate.testing import compile_variant, nsa_selection_workload, program_variants, using_tiles  # noqa: E402
 
 QUICK = dict(seq=8192, heads=128, kv_heads=8, selected=16)
-SEED = dict(seq=65536, heads=128, kv_heads=8, selected=16)
 SPECS = [dict(dtype="bfloat16", dim=d, block_size=b) for d in (64, 128) for b in (32, 64)]
+STAGE = "nsa_selection"
 
 
 def key_of(spec: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in spec.items())
 
 
+def tiles_of(stages: int, min_blocks: int) -> dict:
+    return dict(head_tile=16, threads=128, num_stages=stages, min_blocks=min_blocks)
+
+
+def _compile(job) -> str | None:
+    """Compile one (version, spec, tiles) into the disk cache; the error's last line, or None."""
+    name, src, spec, tiles = job
+    try:
+        compile_variant(STAGE, spec, tiles, src)
+        return None
+    except Exception as e:  # reported, and the timed run then fails on that case
+        return f"{name} {key_of(spec)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+
+
+def precompile(sources: dict, cases, jobs: int) -> None:
+    todo = sorted({(name, None if src is None else str(src), key_of(spec), s, b)
+                   for name, src in sources.items() for spec, s, b, _ in cases})
+    work = [(name, src, dict(spec), tiles_of(s, b)) for name, src, key, s, b in todo
+            for spec in [next(x for x in SPECS if key_of(x) == key)]]
+    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for err in pool.map(_compile, work):
+            if err:
+                print("compile failed:", err, flush=True)
+
+
 def run_case(sources: dict, spec: dict, stages: int, min_blocks: int, shape: dict) -> dict:
-    tiles = dict(head_tile=16, threads=128, num_stages=stages, min_blocks=min_blocks)
     key = key_of(spec)
-    with using_tiles("sm90", "nsa_selection", key, tiles), program_variants("nsa_selection", sources) as use:
+    with using_tiles("sm90", STAGE, key, tiles_of(stages, min_blocks)), program_variants(STAGE, sources) as use:
         native, ref, pick = nsa_selection_workload(spec, shape)
         want = ref()
-        err = {}
+        err, same, first = {}, {}, None
         for name in sources:
             use(name)
-            got = pick(native())
-            err[name] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+            out = native()
+            full = [x.clone() for x in out]
+            for x in out:  # freed as NaN: the next version's outputs likely reuse this memory, poisoned
+                x.fill_(float("nan"))
+            del out
+            first = first or full
+            same[name] = all(torch.equal(a, b) for a, b in zip(full, first))
+            err[name] = max((g.float() - w.float()).abs().max().item() for g, w in zip(pick(full), want))
+        del full, first
         rounds = {name: [] for name in sources}
         for _ in range(3):
             for name in sources:
                 use(name)
                 rounds[name].append(median_ms(native, warmup=50, rep=600 if shape["seq"] > 8192 else 200))
     ms = {name: sorted(r)[1] for name, r in rounds.items()}
-    return dict(key=key, num_stages=stages, min_blocks=min_blocks, shape=shape, max_abs_err=err, ms=ms, rounds=rounds,
-                ratio=ms["current"] / ms["other"])
+    return dict(key=key, num_stages=stages, min_blocks=min_blocks, shape=shape, max_abs_err=err, bitwise_equal_current=same, ms=ms, rounds=rounds,
+                ratio={name: ms[name] / ms["current"] for name in sources})
+
+
+def parse_sources(items) -> dict:
+    sources = {"current": None}
+    for item in items:
+        name, _, path = item.rpartition("=")
+        sources[name or "other"] = Path(path)
+    return sources
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", type=Path, required=True, help="the other version of mate/nsa/kernels/selection.py")
+    ap.add_argument("--against", nargs="+", required=True, help="other versions of mate/nsa/kernels/selection.py: [NAME=]FILE")
     ap.add_argument("--tiles", nargs="*", default=["2/3", "2/2"], help="num_stages/min_blocks pairs")
+    ap.add_argument("--heads", nargs="*", default=["128:8"], help="H:G of the seed shape's cases")
+    ap.add_argument("--seed-only", action="store_true", help="only the seed shape (L = 65536, D = 128, block 64)")
+    ap.add_argument("--jobs", type=int, default=0, help="compile every case's programs first in this many processes")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    sources = {"current": None, "other": a.against}
+    sources = parse_sources(a.against)
     torch.manual_seed(0)
-    res = dict(environment(), against=str(a.against), rows=[])
+    res = dict(environment(), against={k: str(v) for k, v in sources.items() if v is not None}, rows=[])
     pairs = [tuple(map(int, t.split("/"))) for t in a.tiles]
-    cases = [(k, s, b, QUICK) for k in SPECS for s, b in pairs] + [(SPECS[3], s, b, SEED) for s, b in pairs]
-    print(f"{'key':<38} {'tiles':>5} {'L':>6} {'current ms':>10} {'other ms':>9} {'ratio':>6} {'err cur/oth':>16}")
+    seeds = [dict(seq=65536, heads=h, kv_heads=g, selected=16) for h, g in (map(int, x.split(":")) for x in a.heads)]
+    cases = [] if a.seed_only else [(k, s, b, QUICK) for k in SPECS for s, b in pairs]
+    cases += [(SPECS[3], s, b, shape) for shape in seeds for s, b in pairs]
+    if a.jobs:
+        precompile(sources, cases, a.jobs)
+    others = [n for n in sources if n != "current"]
+    print(f"{'key':<38} {'tiles':>5} {'L':>6} {'H:G':>6} {'current ms':>10} " + " ".join(f"{n + ' ms (x)':>20}" for n in others), flush=True)
     for spec, s, b, shape in cases:
         r = run_case(sources, spec, s, b, shape)
         res["rows"].append(r)
-        print(f"{r['key']:<38} {s}/{b:<3} {shape['seq']:>6} {r['ms']['current']:>10.3f} {r['ms']['other']:>9.3f} {r['ratio']:>6.3f} "
-              f"{r['max_abs_err']['current']:>8.1e}/{r['max_abs_err']['other']:.1e}", flush=True)
+        cols = " ".join(f"{r['ms'][n]:>10.3f} ({r['ratio'][n]:.3f})  " for n in others)
+        print(f"{r['key']:<38} {s}/{b:<3} {shape['seq']:>6} {shape['heads']:>3}:{shape['kv_heads']:<2} {r['ms']['current']:>10.3f} {cols}"
+              f" err {' '.join(f'{n}={e:.1e}' for n, e in r['max_abs_err'].items())}"
+              f" bitwise={''.join('=' if r['bitwise_equal_current'][n] else 'x' for n in others)}", flush=True)
     out = write_json(a.out or RESULTS / f"nsa_ab_{res['gpu'].replace(' ', '_')}.json", res)
     print(f"GPU {res['gpu']} commit {res['commit']} -> {out}")
     return res

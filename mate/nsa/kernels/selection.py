@@ -48,7 +48,10 @@ the same 32 KB tiles from an L2-resident pool, with no attention math, takes
 CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM, and one more KB (MAX_SLOTS =
 256) dropped it to 2 CTAs and cost 18%. Against the automatic producer this
 program replaced, at the same tiles: 0.84 to 1.00 of its time
-(benchmarks/nsa_ab.py).
+(benchmarks/nsa_ab.py). Since the V zeroing (2026-12-01, NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md):
+30.1 ms at 3 CTAs per SM (without the zeroing 28.7), 28.7 ms at 4; evict_last on the K/V loads
+changed nothing. Fewer gathers are the only way under ~26 ms; on the benchmark's random indices
+deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them (same file).
 """
 
 import tilelang.language as T
@@ -116,15 +119,20 @@ def _compact_blocks(BI, blocks, used, bb, bm, bg, slots, last_block):
             used[0] = rank + keep
 
 
-@T.macro
-def _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
-    # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the rows past the
-    # query (a causally future token of the block, or garbage in a cache) and a masked repeat are
-    # zeroed first. Only a tile that holds such keys pays (the CTA's last one or two, typically):
-    # generic stores, the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
+def _masked_tile(blocks, it, n_used, pos, block_size, per_tile):
+    """1 if tile `it` holds keys past the query (its block's end is past `pos`) or a masked repeat, else 0."""
     last0 = blocks[it * per_tile] * block_size + block_size - 1
     last1 = blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size + block_size - 1
-    if (last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))):
+    return T.if_then_else((last0 > pos) | ((per_tile == 2) & ((it * per_tile + 1 >= n_used) | (last1 > pos))), 1, 0)
+
+
+@T.macro
+def _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype):
+    # A masked key has P = 0, but its V row still enters P.V, and 0 * NaN is NaN: the rows past the
+    # query (a causally future token of the block, or garbage in a cache) and a masked repeat are
+    # zeroed first. Only a tile that holds such keys pays (`masked`: _masked_tile): generic stores,
+    # the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
+    if masked != 0:
         for k, d in T.Parallel(TILE_KEYS, dim):
             slot = it * per_tile + k // block_size
             n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
@@ -135,10 +143,13 @@ def _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, t
 
 
 @T.macro
-def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev, alpha,
+def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev, alpha, masked,
                  it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
     """One tile of the consumer. K is released right after S^T = K Q^T, so the next K load overlaps the softmax."""
     st = it % num_stages
+    # Read here, off the path from the V load's arrival to the P.V wgmma: on the H200 that path was 2.4%
+    # of the seed shape's time (benchmarks/results/NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md).
+    masked = _masked_tile(blocks, it, n_used, pos, block_size, per_tile)
     T.barrier_wait(k_full[st], (it // num_stages) & 1)
     fence()
     T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
@@ -152,7 +163,7 @@ def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, ro
     publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
     T.barrier_wait(v_full[st], (it // num_stages) & 1)
     fence()
-    _zero_masked_v(Vs, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
+    _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
     T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
     fence()
     T.barrier_arrive(v_empty[st])
@@ -266,9 +277,10 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                 T.fill(acc, 0)
                 T.fill(rowsum, 0)
                 T.fill(m_cur, NEG_INF)
+                masked = T.alloc_var("int32")
                 for it in T.serial(n_tiles):
                     _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, rowsum, P, acc, m_cur, m_prev,
-                                 alpha, it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
+                                 alpha, masked, it, n_used, pos, scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, head_tile, threads)
 

@@ -44,7 +44,9 @@ programs place their own barriers, see the forward's PASS_CONFIGS).
 import tilelang.language as T
 
 from mate._tl import FENCE_SOURCE, fence
-from mate.nsa.kernels.selection import CONSUMER_BARRIER, PASS_CONFIGS, _compact_blocks, _tile_load, _zero_masked_v  # noqa: F401
+from mate.nsa.kernels.selection import (  # noqa: F401
+    CONSUMER_BARRIER, PASS_CONFIGS, _compact_blocks, _masked_tile, _tile_load, _zero_masked_v,
+)
 from mate.nsa.kernels.selection_bwd_card import CONSUMER_REGS, PRODUCER_REGS
 from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
 
@@ -86,7 +88,8 @@ def _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty,
         p = T.exp2(S[k, h] * scale_log2 - lse2[h])
         dS[k, h] = T.cast(T.if_then_else((slot < n_used) & (n <= pos), p * (dP[k, h] - delta[h]), 0), dtype)
     T.copy(dS, dSs)
-    _zero_masked_v(Ks, blocks, st, it, n_used, pos, block_size, per_tile, dim, threads, dtype)
+    _zero_masked_v(Ks, blocks, _masked_tile(blocks, it, n_used, pos, block_size, per_tile), st, it, n_used, pos, block_size, per_tile, dim,
+                   threads, dtype)
     T.fence_proxy_async()
     T.sync_threads(CONSUMER_BARRIER, threads)  # dS is in shared memory
     fence()
