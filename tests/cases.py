@@ -320,7 +320,7 @@ def qsa_paged(device, gen):
 
 def qsa_split(device, gen):
     """SplitKV paged decode in the canonical geometry (24 / 2 heads, a group of 12 in a 16-head tile): 3 splits
-    of a 5-tile list, the last CTA of each (row, KV head) merging them, with a per-head gate and the LSE."""
+    of a 5-tile list and their merge, with a per-head gate and the LSE."""
     n_req, hq, hkv, D, ps, pages, max_pages, width = 3, 24, 2, 256, 64, 9, 4, 300
     query = tail_view(gen, (n_req, hq, D), device=device)
     key = tail_view(gen, (pages, ps, hkv, D), device=device)

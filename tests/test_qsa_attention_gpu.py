@@ -84,7 +84,7 @@ def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, widt
 
 
 @pytest.mark.parametrize("width", [1, 7, 2051, 4100])
-@pytest.mark.parametrize("splits", [None, 1, 2, 9, 33])  # 9 and 33: the fused merge's 8-split steps and a remainder
+@pytest.mark.parametrize("splits", [None, 1, 2, 9, 33])  # 9, 33: under and over the merge's 16 splits a step
 def test_physical(width, splits):
     gen = torch.Generator().manual_seed(width)
     reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=width, dtype=torch.bfloat16)
@@ -100,8 +100,8 @@ def test_physical(width, splits):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_split_decode_at_serving_shape(batch):
-    """Issue #16's decode inputs (2051-token selections, 24 / 2 heads, BF16 gate): every split count merges in
-    the attention launch (the last CTA of a row and KV head) to the reference, and the same every call."""
+    """Issue #16's decode inputs (2051-token selections, 24 / 2 heads, BF16 gate): every split count merges to
+    the reference, and the same every call."""
     p = qsa_serving_problem(torch.Generator().manual_seed(batch), batch, 1)[0]
     ref_out, ref_lse = mate.qsa_sparse_attention(**p, return_lse=True, backend="reference")
     for splits in (None, 2, 8, 9, 17, 33):

@@ -129,8 +129,8 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
 """
 
 
-# QSA's split decode (issue 16): the last CTA of each (row, KV head) merges, counted by an atomic per call. The
-# serving shapes' default split counts (rows 1: 11 splits, rows 8: 7); the result must not change over the launches.
+# QSA's split decode (issue 16): the splits' attention launch, then the merge kernel's, at the serving shapes'
+# default split counts (rows 1: 11 splits, rows 8: 7); the result must not change over the launches.
 QSA_DECODE_CHILD = HAMMER + """
 import mate
 from mate.testing import qsa_serving_problem

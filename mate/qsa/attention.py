@@ -167,11 +167,10 @@ def qsa_sparse_attention(
     backend="tilelang" (default) runs the native sm90 kernels (mate/qsa/kernels/sparse.py) for
     BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
     flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
-    gate) in the same launch, by the last CTA of each row and KV head to finish. num_splits=None
-    picks the split count from the row count (see choose_splits). Every native kernel is
-    warp-specialized already (a cp.async producer warpgroup and an MMA consumer warpgroup):
-    warp_specialized=True is accepted for the canonical 24/2/256 geometry and runs that same
-    kernel. Padded query axes (and those of
+    gate) by the native merge. num_splits=None picks the split count from the row count (see
+    choose_splits). Every native kernel is warp-specialized already (a cp.async producer
+    warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
+    canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
     indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
     feature stride and 16-byte aligned base and outer strides. No host synchronization: the
     native path can be captured in a CUDA graph and replayed with new metadata values.
@@ -484,7 +483,7 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
     82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
     One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
-    With the merge fused into the attention launch (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
+    Later, with a merge fused into the attention launch (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
     cold graph, splits as run): batch 1 11/17/33: 31.0/34.0/40.3; batch 8 7/11/17/33: 37.6/51.2/50.8/66.1.
     """
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
@@ -570,13 +569,10 @@ def native(p: Problem):
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1:
-        none_f, none_i = _dispatch.placeholder(dev, torch.float32, 1), _dispatch.placeholder(dev, torch.int32, 1)
-        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, none_f, none_f, none_i, *args)
+        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:
-        # the splits' partials, merged by the last CTA of each (row, KV head) to finish: the count of finished
-        # CTAs starts at 0 in every call (a buffer of this call's, so concurrent calls never share counts)
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
-        done = torch.zeros((rows, hkv), dtype=torch.int32, device=dev)
-        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, part_o, part_lse, done, *args)
+        attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
+        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target)
     return result

@@ -40,12 +40,7 @@ CTAs per SM runs faster with a one-stage ring that lets two CTAs share an SM
 prologue and epilogue weigh as much as its tiles: binding the group size and
 the softmax sum's reciprocal once took the split kernel's SASS from 121 to 77
 KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
-benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Merging in the
-attention launch saved less than the merge kernel cost (one row: 32.3 -> 31.0 us
-for the whole call, 8 rows: 40.8 -> 37.6; the old merge kernel alone 13.3 us):
-the last CTA's merge is serial work on one SM, after a fence and an atomic in
-every CTA (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md).
-Prefill is not bound by L2 or DRAM: folding every selected token into a
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Prefill is not bound by L2 or DRAM: folding every selected token into a
 quarter of the pool (16.8 MB of K/V instead of 67 MB) saved 2% (H200, 4096
 rows); the separate K/V barriers saved 11% (3679 -> 3277 us;
 benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md).
@@ -64,9 +59,12 @@ absent one is a 1-element placeholder that is never read.
 `split=False`: the CTA owns the whole token list and writes the output
 (gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
 owns a contiguous share of the list and writes FP32 partials to a workspace;
-the last CTA of a (row, KV head) to finish merges them (`_merge_splits`), so a
-split decode is one launch. `merge` is the same combination as a kernel of
-its own, for `merge_attention_states` on caller-made partials.
+`merge` combines them, in a second launch. Merging in the attention launch (the
+last CTA of a row and KV head to finish merges, after a fence and an atomic in
+every CTA) was measured slower on the H200: one row 31.0 us against 25.4 with
+the one-pass merge kernel, 8 rows 37.9 against 35.4 (cold graph, one device
+session; benchmarks/results/NVIDIA_H200-2026-12-01-qsa-twolaunch.md): its merge
+is serial work on the one SM that finishes last.
 """
 
 import tilelang.language as T
@@ -77,11 +75,9 @@ from mate._tl import (
 )
 from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
 
-# split only: a GPU-scope fence (membar.gl) between this thread's partial stores and the split count's atomic,
-# and between reading the count and the partials of the other CTAs; an L2 prefetch (never faults, never waits).
+# split only: an L2 prefetch (never faults, never waits)
 SPLIT_SOURCE = (
-    '\n__device__ __forceinline__ void mate_gpu_fence() { __threadfence(); }\n'
-    '__device__ __forceinline__ void mate_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }\n'
+    '\n__device__ __forceinline__ void mate_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }\n'
 )
 
 NEG_INF = -T.infinity("float32")
@@ -423,13 +419,13 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
     )
     sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
     shr, shh, shd = T.dynamic("shr shh shd", "int64")
-    RP, HP, RC, HC, NX = T.dynamic("RP HP RC HC NX")
     sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE  # one import per program
-    if split:
-        # the FP32 partials of every split and the per-(row, KV head) count of finished splits (zeroed by the caller)
-        part_o, part_lse, done = T.Tensor((SPL, RP, HP, DIM), "float32"), T.Tensor((SPL, RP, HP), "float32"), T.Tensor((RC, HC), "int32")
-    else:  # 1-element placeholders, never read
-        part_o, part_lse, done = T.Tensor((NX,), "float32"), T.Tensor((NX,), "float32"), T.Tensor((NX,), "int32")
+    if split:  # every split's FP32 partials, for `merge`
+        o_out = T.Tensor((SPL, RO, HO, DIM), "float32")
+        lse_out = T.Tensor((SPL, RL, HL), "float32")
+    else:
+        o_out = T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype)
+        lse_out = T.StridedTensor((RL, HL), (slr, slh), "float32")
 
     @T.prim_func
     def main(
@@ -445,11 +441,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
         QP: T.StridedTensor((NQP,), (sqp,), "int32"),
         G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
         GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
-        O: T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype),
-        LSE: T.StridedTensor((RL, HL), (slr, slh), "float32"),
-        PO: part_o,
-        PL: part_lse,
-        DONE: done,
+        O: o_out,
+        LSE: lse_out,
         scale: T.float32,
         row_mode: T.int32,
         flags: T.int32,
@@ -543,23 +536,15 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                                         m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    _store_partial(PO, PL, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
+                    _store_partial(O, LSE, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
                 else:
                     _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
-            if split:
-                ls = T.alloc_local((FUSED_STEP,), "float32")
-                ps = T.alloc_local((MERGE_LANES * FUSED_STEP,), "float32")
-                st = T.alloc_local((3 + MERGE_LANES,), "float32")
-                _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, SPL,
-                              threads, head_tile)
 
     return main
 
 
 # Splits a step of a merge: their loads are in flight together (one L2 round trip for up to 16 splits).
 MERGE_STEP = 16
-MERGE_LANES = 4  # elements of one head a thread of the fused merge owns: one 16-byte load a split
-FUSED_STEP = 8  # splits a step of the fused merge: 16 took the attention kernel from 80 to 163 registers
 
 
 @T.macro
@@ -613,41 +598,6 @@ def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last
             ps[j] = T.if_then_else(s0 * MERGE_STEP + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
         _merge_step(ls, ps, st, MERGE_STEP, 1)
     _merge_store(G, GH, O, LSE, st, flags, r, h, d, 1, live, last)
-
-
-@T.macro
-def _merge_splits(PO, PL, G, GH, O, LSE, DONE, counts, ls, ps, st, row, kvh, h0, group, tx, flags, S, threads, head_tile):
-    """split: the last of the S CTAs of (row, kvh) to finish merges the partials of all S, in split order
-    (so the result does not depend on which CTA is last): one launch where a merge kernel would be a
-    second. DONE[row, kvh] counts finished CTAs; the caller zeroes it. The classic last-block pattern:
-    every thread fences its partial stores before the count goes up, the last CTA fences before reading."""
-    T.evaluate(T.call_extern("handle", "mate_gpu_fence"))
-    T.sync_threads()
-    if tx == 0:
-        counts[0] = T.atomic_add(DONE[row, kvh], 1, return_prev=True)
-    T.sync_threads()
-    fence()
-    if counts[0] == S - 1:
-        T.evaluate(T.call_extern("handle", "mate_gpu_fence"))
-        # a thread owns MERGE_LANES consecutive elements of one head, all threads of the CTA together
-        # threads * MERGE_LANES elements (a multiple of DIM): each step is one 16-byte load per split
-        for i in T.serial(head_tile * DIM // (threads * MERGE_LANES)):
-            e = (i * threads + tx) * MERGE_LANES
-            h = e // DIM
-            d = e % DIM
-            if h < group:
-                st[0] = NEG_INF
-                st[1] = 0
-                for v in T.unroll(MERGE_LANES):
-                    st[3 + v] = 0
-                for s0 in T.serial(T.ceildiv(S, FUSED_STEP)):
-                    for j in T.unroll(FUSED_STEP):
-                        sj = T.min(s0 * FUSED_STEP + j, S - 1)
-                        ls[j] = T.if_then_else(s0 * FUSED_STEP + j < S, PL[sj, row, h0 + h], NEG_INF)
-                        for v in T.vectorized(MERGE_LANES):
-                            ps[j * MERGE_LANES + v] = PO[sj, row, h0 + h, d + v]
-                    _merge_step(ls, ps, st, FUSED_STEP, MERGE_LANES)
-                _merge_store(G, GH, O, LSE, st, flags, row, h0 + h, d, MERGE_LANES, True, d == 0)
 
 
 def merge(pdtype, odtype, threads):
