@@ -179,10 +179,13 @@ def test_nsa_backward_finishes_back_to_back_launches():
     _run_backward([(key, None, None) for key in _dispatch.load_config("sm90")["nsa_selection_bwd_dq"]], "NSA backward")
 
 
+BACKWARD_KEY = "dtype=bfloat16,dim=128,block_size=64"  # the seed's specialization
+
+
 def ring_variants() -> list:
     """(stage, tiles): each distinct program (all tiles but min_blocks) of the backward's spaces that fits at the
     seed's specialization, with the largest min_blocks that fits."""
-    spec = dict(dtype="bfloat16", dim=128, block_size=64)
+    spec = _dispatch.parse_key(BACKWARD_KEY)
     out = []
     for stage in BACKWARD:
         card = _dispatch.STAGES[stage]
@@ -200,8 +203,7 @@ def ring_variants() -> list:
 def test_every_backward_ring_depth_finishes_back_to_back_launches():
     """Every ring depth (and, for dk/dv, entries a step) of the two backward kernels' search spaces at the seed's
     specialization, each at the most CTAs per SM its card allows."""
-    key = "dtype=bfloat16,dim=128,block_size=64"
-    _run_backward([(key, stage, tiles) for stage, tiles in ring_variants()], "NSA backward ring depths", limit_s=240)
+    _run_backward([(BACKWARD_KEY, stage, tiles) for stage, tiles in ring_variants()], "NSA backward ring depths", limit_s=240)
 
 
 # gqa_attention's split-KV kernel (issue 17: paged caches, decode) and its merge: paged decode and a paged
@@ -230,6 +232,30 @@ def test_gqa_split_kv_finishes_back_to_back_launches():
 DECODE_RINGS = [(128, 3), (64, 2), (32, 3), (32, 4)]
 
 
+DECODE_RING_KEY = "dtype=bfloat16,dim=128,window=causal"
+
+
+def decode_rings() -> list:
+    return [(DECODE_RING_KEY, dict(block_m=64, block_n=n, threads=128, num_stages=s)) for n, s in DECODE_RINGS]
+
+
 def test_gqa_split_kv_ring_depths_finish_back_to_back_launches():
-    key = "dtype=bfloat16,dim=128,window=causal"
-    _run("gqa_decode", [(key, dict(block_m=64, block_n=n, threads=128, num_stages=s)) for n, s in DECODE_RINGS])
+    _run("gqa_decode", decode_rings())
+
+
+def variant_kernels() -> list:
+    """(stage, key, tiles) of every kernel outside the config these tests launch: compiled at first use, one
+    after another in a test's process, they took the stress tests past a 360 s suite limit on the H200
+    (2026-12-01), so scripts/gpu-suite.sh compiles them in parallel first (`python tests/test_stress_gpu.py`)."""
+    return ([(stage, key, tiles) for stage, cases in ONE_STAGE.items() for key, tiles in cases]
+            + [(stage, BACKWARD_KEY, tiles) for stage, tiles in ring_variants()]
+            + [("gqa_decode", key, tiles) for key, tiles in decode_rings()])
+
+
+if __name__ == "__main__":
+    from mate.testing import compile_kernels
+
+    jobs = [(stage, key, tiles, True) for stage, key, tiles in variant_kernels()]
+    failed = [job for job, (_, error) in compile_kernels(jobs, int(sys.argv[1]) if len(sys.argv) > 1 else 16) if error]
+    print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} stress-test kernels outside the config", *failed, sep="\n")
+    sys.exit(1 if failed else 0)
