@@ -25,8 +25,6 @@ out) shows its error and is timed all the same.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import RESULTS, environment, median_ms, write_json  # noqa: E402
-from mate.testing import compile_variant, nsa_selection_workload, program_variants, using_tiles  # noqa: E402
+from mate.testing import cache_variants, nsa_selection_workload, program_variants, using_tiles  # noqa: E402
 
 QUICK = dict(seq=8192, heads=128, kv_heads=8, selected=16)
 SPECS = [dict(dtype="bfloat16", dim=d, block_size=b) for d in (64, 128) for b in (32, 64)]
@@ -50,25 +48,15 @@ def tiles_of(stages: int, min_blocks: int) -> dict:
     return dict(head_tile=16, threads=128, num_stages=stages, min_blocks=min_blocks)
 
 
-def _compile(job) -> str | None:
-    """Compile one (version, spec, tiles) into the disk cache; the error's last line, or None."""
-    name, src, spec, tiles = job
-    try:
-        compile_variant(STAGE, spec, tiles, src)
-        return None
-    except Exception as e:  # reported, and the timed run then fails on that case
-        return f"{name} {key_of(spec)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
-
-
 def precompile(sources: dict, cases, jobs: int) -> None:
     todo = sorted({(name, None if src is None else str(src), key_of(spec), s, b)
                    for name, src in sources.items() for spec, s, b, _ in cases})
     work = [(name, src, dict(spec), tiles_of(s, b)) for name, src, key, s, b in todo
             for spec in [next(x for x in SPECS if key_of(x) == key)]]
-    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for err in pool.map(_compile, work):
-            if err:
-                print("compile failed:", err, flush=True)
+    # a failure is reported, and the timed run then fails on that case
+    for (name, _, spec, _), err in zip(work, cache_variants([(STAGE, spec, tiles, src) for name, src, spec, tiles in work], jobs)):
+        if err:
+            print(f"compile failed: {name} {key_of(spec)}: {err}", flush=True)
 
 
 def run_case(sources: dict, spec: dict, stages: int, min_blocks: int, shape: dict) -> dict:

@@ -77,8 +77,13 @@ def build(stage: str, key: str, target: str, tiles: dict | None = None, full: bo
             return _dispatch.compile_program(stage, spec, target, tiles).get_kernel_source(), None
         return _dispatch.lower_program(stage, spec, target, tiles), None
     except Exception as e:
-        text = str(e).strip()
-        return None, f"{type(e).__name__}: {text.splitlines()[-1][:300] if text else ''}"
+        return None, error_line(e)
+
+
+def error_line(e: Exception) -> str:
+    """A compile error as its type and last line (TileLang's and nvcc's messages end with the cause)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1][:300] if text else ''}"
 
 
 def build_all(jobs: list[tuple], target: str, workers: int):

@@ -612,20 +612,33 @@ def compile_variant(stage: str, spec: dict, tiles: dict, source=None, target: st
     return tilelang.compile(card.build(**spec, **tiles), target=_dispatch.TARGETS[target][1], pass_configs=card.pass_config_dict())
 
 
-def _cache_variant(*job) -> None:
-    compile_variant(*job)  # a worker's kernel stays in the disk cache (it does not pickle)
+def _cache_variant(job) -> str | None:
+    from mate.precompile import error_line
+
+    try:
+        compile_variant(*job)  # a worker's kernel stays in the disk cache (it does not pickle)
+        return None
+    except Exception as e:
+        return error_line(e)
 
 
-def compile_variants(jobs: list[tuple], workers: int) -> list:
-    """compile_variant(*job) for each job (stage, spec, tiles, source), first in `workers` processes (a
-    benchmark's variants in parallel, into the disk cache), then here from the cache; the kernels in order."""
+def cache_variants(jobs: list[tuple], workers: int) -> list:
+    """compile_variant(*job) for each job (stage, spec, tiles, source) in `workers` processes, into the disk
+    cache (a benchmark's variants in parallel); each job's error line (mate.precompile.error_line) or None."""
     import concurrent.futures as cf
     import multiprocessing
 
     # spawn: TileLang and torch hold threads that a forked child would inherit broken.
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_cache_variant, *job) for job in jobs]:
-            f.result()
+        return list(pool.map(_cache_variant, jobs))
+
+
+def compile_variants(jobs: list[tuple], workers: int) -> list:
+    """The kernels of compile_variant(*job) for each job, in order: first cache_variants, then here from the
+    cache. A job that does not compile raises."""
+    failed = [(job, error) for job, error in zip(jobs, cache_variants(jobs, workers)) if error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(jobs)} variants did not compile; the first: {failed[0]}")
     return [compile_variant(*job) for job in jobs]
 
 
