@@ -483,7 +483,8 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
     82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
     One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
-    Later, with a merge fused into the attention launch (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
+    Later, with a merge fused into the attention launch (since dropped: two launches were faster;
+    benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
     cold graph, splits as run): batch 1 11/17/33: 31.0/34.0/40.3; batch 8 7/11/17/33: 37.6/51.2/50.8/66.1.
     """
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))

@@ -47,7 +47,7 @@ def gate_buffers(gate: torch.Tensor | None, dtype: torch.dtype, device, flags: i
 
 def launch(partial_out, partial_lse, gate, out, lse, flags, target):
     """The merge kernel on [splits, rows, heads, D] partials; gate is a gate_rows() result or None (flags gain
-    its bits here), lse may be None when flags lacks WRITE_LSE. (SplitKV sparse attention merges in its own launch.)"""
+    its bits here), lse may be None when flags lacks WRITE_LSE. Also the last step of SplitKV sparse attention."""
     dev = partial_out.device
     spec = {"pdtype": str(partial_out.dtype).removeprefix("torch."), "odtype": str(out.dtype).removeprefix("torch.")}
     g, gh, flags = gate_buffers(gate, out.dtype, dev, flags)
