@@ -25,6 +25,8 @@ walking its selected blocks), then dk and dv per selected key block (one CTA
 per key block and KV group, walking the queries that selected it, which a
 stable sort of the used slots lists). Every dk/dv row is written by one CTA,
 in a fixed order: no atomics, and the gradients are bitwise deterministic.
+Atomics are not offered: one kernel adding each query's dk/dv tiles into an FP32 workspace measured
+2.3-4.8x slower than this on the H200 (benchmarks/results/NVIDIA_H200-2026-12-01-nsa-bwd-atomics.md).
 """
 
 from __future__ import annotations
