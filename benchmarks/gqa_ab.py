@@ -8,7 +8,8 @@ configs/sm90.yaml), both programs are compiled with the same tiles, run on the s
 inputs through the public API (mate.testing.program_variants switches the program),
 compared with each other (max abs difference) and timed in three interleaved rounds of
 do_bench medians (CUDA-graph replays, benchmarks/common.py); the middle round is
-reported. The other source must define `gqa_fwd` with the same signature.
+reported. The other source must define `gqa_fwd` with the same signature. `--case L,R,D,S`
+(repeatable) runs those cases instead, window (L, R), head dim D, length S (L -1: causal).
 
     git show REV:mate/swa/kernels/gqa_decode.py > /tmp/old_gqa_decode.py
     python benchmarks/gqa_ab.py --decode --against /tmp/old_gqa_decode.py [--tiles 64,64,128,2 ...] [--other-tiles ...] [--out FILE]
@@ -141,6 +142,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiles", type=str, action="append", default=[],
                     help="--decode: also time the current program at these tiles, block_m,block_n,threads,num_stages")
     ap.add_argument("--other-tiles", type=str, action="append", default=[], help="--decode: the other program at these tiles")
+    ap.add_argument("--case", type=str, action="append", default=[],
+                    help="instead of the default cases: window left,right, head dim, length, e.g. -1,0,128,16384")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     for name in ("tiles", "other_tiles"):
@@ -152,7 +155,7 @@ def main(argv=None) -> dict:
     res = dict(gpu=torch.cuda.get_device_name(), against=str(a.against), rows=[])
     print(f"{'window':>10} {'D':>4} {'S':>6} {'current ms':>10} {'other ms':>9} {'ratio':>6} {'max diff':>9}")
     with program_variants("gqa_fwd", sources) as use:
-        for window, dim, s in CASES:
+        for window, dim, s in [((c[0], c[1]), c[2], c[3]) for c in (tuple(map(int, c.split(","))) for c in a.case)] or CASES:
             r = run_case(use, sources, window, dim, s)
             res["rows"].append(r)
             print(f"{str(window):>10} {dim:>4} {s:>6} {r['ms']['current']:>10.3f} {r['ms']['other']:>9.3f} {r['ratio']:>6.3f} "
