@@ -27,21 +27,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mate import _dispatch  # noqa: E402
-from mate.testing import program_variants  # noqa: E402
+from mate.testing import compile_variants, config_specs, program_variants, shipped_tiles, stage_kernels  # noqa: E402
 
 
 def precompile(source: Path, jobs: int) -> None:
-    from mate.precompile import entries
-    from mate.testing import compile_variants
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from test_gqa_options_gpu import VARIANTS
 
-    todo = [(_dispatch.parse_key(key), {}) for _, key in entries("sm90", ["gqa_fwd"])]
+    todo = [(spec, {}) for spec in config_specs("sm90", "gqa_fwd")]
     todo += [(dict(dtype=str(dt).removeprefix("torch."), dim=d, window=w), dict(varlen=vl, sinks=sk, softcap=sc))
              for dt, d, w, vl, sk, sc in VARIANTS]
-    compile_variants([("gqa_fwd", spec, {**_dispatch.tiles("gqa_fwd", spec, "sm90"), **opts}, source) for spec, opts in todo], jobs)
+    compile_variants([("gqa_fwd", spec, {**shipped_tiles("sm90", "gqa_fwd", spec), **opts}, source) for spec, opts in todo], jobs)
     print(f"check_gqa_variant: {len(todo)} kernels of {source.name} in the cache")
 
 
@@ -59,11 +55,11 @@ def main(argv: list[str]) -> int:
     with program_variants("gqa_fwd", {source.stem: source}) as use:
         use(source.stem)
         rc = pytest.main(argv[1:])
-        used = {k: v for k, v in _dispatch._kernels.items() if k[0] == "gqa_fwd"}
+        used = stage_kernels("gqa_fwd")
         mine = [k for k, v in used.items() if mark in v.get_kernel_source()]
     print(f"check_gqa_variant: {len(mine)} of {len(used)} gqa_fwd kernels the tests ran carry {mark!r}")
     for k in used:
-        print("   ", "variant" if k in mine else "OTHER  ", k[1], k[3])
+        print("   ", "variant" if k in mine else "OTHER  ", dict(k[0]), dict(k[2]))
     if not mine or len(mine) != len(used):
         print("check_gqa_variant: FAILED, the tests did not run (only) the variant")
         return rc or 1
