@@ -8,7 +8,7 @@ configs/sm90.yaml), both programs are compiled with the same tiles, run on the s
 inputs through the public API (mate.testing.program_variants switches the program),
 compared with each other (max abs difference) and timed in three interleaved rounds of
 do_bench medians (CUDA-graph replays, benchmarks/common.py); the middle round is
-reported. The other source must define `gqa_fwd` with the same signature. `--case L,R,D,S`
+reported. The other source must define `gqa_fwd` with the same signature. `--case=L,R,D,S`
 (repeatable) runs those cases instead, window (L, R), head dim D, length S (L -1: causal).
 
     git show REV:mate/swa/kernels/gqa_decode.py > /tmp/old_gqa_decode.py
@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
                     help="--decode: also time the current program at these tiles, block_m,block_n,threads,num_stages")
     ap.add_argument("--other-tiles", type=str, action="append", default=[], help="--decode: the other program at these tiles")
     ap.add_argument("--case", type=str, action="append", default=[],
-                    help="instead of the default cases: window left,right, head dim, length, e.g. -1,0,128,16384")
+                    help="instead of the default cases: window left,right, head dim, length, e.g. --case=-1,0,128,16384 (with =: it starts with -)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     for name in ("tiles", "other_tiles"):
