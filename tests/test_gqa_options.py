@@ -276,11 +276,6 @@ def test_option_variants_lower_for_sm90a(key, mma_depth):
     tiles = dict(_dispatch.tiles("gqa_fwd", spec, "sm90"), mma_depth=mma_depth)
     src = _dispatch.lower_program("gqa_fwd", spec, "sm90", {**tiles, "varlen": True, "sinks": True, "softcap": True})
     assert all(name in src for name in ("CuQ[", "CuK[", "Sinks[", "tanhf(")), key
-    if mma_depth == 2:
-        # The main branch: between the QK^T wait and the PV wait, the softmax in both arms of the mask's branch,
-        # which joins right before the PV wait (else ptxas hoists that wait above the softmax: no overlap).
-        between = src.split("tl::wait_wgmma<1>();", 1)[1].split("tl::wait_wgmma<0>();", 1)[0]
-        assert "} else {" in between and between.count("exp2f(") >= 4 and between.rstrip().endswith("}"), key
 
 
 # ---------------------------------------------------------------- the split-KV kernel's routing (no GPU)

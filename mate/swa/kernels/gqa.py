@@ -77,12 +77,7 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
      that no asynchronous wgmma crosses a branch (ptxas would serialize them).
      The loop always runs at least once, so the Q load is always waited for.
      After each wgmma wait the released accumulators are fenced, so the
-     compiler cannot read S (or overwrite P and O) before the wait. The
-     masked and the unmasked tiles run their own copy of the softmax, so that
-     the mask's branch joins right before the PV wait: ptxas hoists a wgmma
-     wait to the top of its basic block, and with one softmax after the join
-     (main b8777bc) the PV wait came before all of it, in the SASS: nothing
-     overlapped PV.
+     compiler cannot read S (or overwrite P and O) before the wait.
 """
 
 import tilelang.language as T
@@ -133,10 +128,7 @@ def _mask_and_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, t, sta
             elif seq_k is not None:
                 ok = ok & (key >= fresh)
             acc_s[i, j] = T.if_then_else(ok, acc_s[i, j], NEG_INF)
-        online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
-    else:
-        # The softmax in both arms: the branch joins after it, before the PV wait (module docstring, mma_depth 2).
-        online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
+    online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
 
 
 @T.macro
