@@ -8,7 +8,10 @@ configs/sm90.yaml), both programs are compiled with the same tiles, run on the s
 inputs through the public API (mate.testing.program_variants switches the program),
 compared with each other (max abs difference) and timed in three interleaved rounds of
 do_bench medians (CUDA-graph replays, benchmarks/common.py); the middle round is
-reported. The other source must define `gqa_fwd` with the same signature.
+reported. The other source must define `gqa_fwd` with the same signature. `--case=L,R,D,S`
+(repeatable) runs those cases instead, window (L, R), head dim D, length S (L -1: causal).
+`--also FILE` (repeatable) times more versions in the same rounds, each named by its file's stem
+(its ratio is current / that version, its max diff against the current one).
 
     git show REV:mate/swa/kernels/gqa_decode.py > /tmp/old_gqa_decode.py
     python benchmarks/gqa_ab.py --decode --against /tmp/old_gqa_decode.py [--tiles 64,64,128,2 ...] [--other-tiles ...] [--out FILE]
@@ -52,14 +55,16 @@ def run_case(use, names, window, dim, s) -> dict:
         calls[name] = lambda o=o: mate.gqa_attention(q, k, v, sliding_window=window, out=o, return_lse=True)
         outs[name] = calls[name]()
     torch.cuda.synchronize()
-    diff = (outs["current"][0].float() - outs["other"][0].float()).abs().max().item()
+    diffs = {name: (outs["current"][0].float() - outs[name][0].float()).abs().max().item() for name in names if name != "current"}
     rounds = {name: [] for name in names}
     for _ in range(3):
         for name in names:
             use(name)  # the capture in graph_ms goes through the dispatcher: it must find this version's kernel
             rounds[name].append(graph_ms(calls[name], target_ms=20))
     ms = {name: sorted(r)[1] for name, r in rounds.items()}
-    return dict(window=list(window), dim=dim, seq=s, ms=ms, rounds=rounds, ratio=ms["current"] / ms["other"], max_abs_diff=diff)
+    more = {name: dict(ratio=ms["current"] / ms[name], max_abs_diff=diffs[name]) for name in names if name not in ("current", "other")}
+    return dict(window=list(window), dim=dim, seq=s, ms=ms, rounds=rounds, ratio=ms["current"] / ms["other"], max_abs_diff=diffs["other"],
+                **({"also": more} if more else {}))
 
 
 DECODE_KEY = dict(dtype="bfloat16", dim=128)
@@ -141,22 +146,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiles", type=str, action="append", default=[],
                     help="--decode: also time the current program at these tiles, block_m,block_n,threads,num_stages")
     ap.add_argument("--other-tiles", type=str, action="append", default=[], help="--decode: the other program at these tiles")
+    ap.add_argument("--case", type=str, action="append", default=[],
+                    help="instead of the default cases: window left,right, head dim, length, e.g. --case=-1,0,128,16384 (with =: it starts with -)")
+    ap.add_argument("--also", type=Path, action="append", default=[], help="more versions of gqa.py, timed in the same rounds")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     for name in ("tiles", "other_tiles"):
         setattr(a, name, [dict(zip(("block_m", "block_n", "threads", "num_stages"), map(int, t.split(",")))) for t in getattr(a, name)])
     if a.decode:
         return decode_main(a)
-    sources = {"current": None, "other": a.against}
+    sources = {"current": None, "other": a.against, **{f.stem: f for f in a.also}}
+    assert len(sources) == 2 + len(a.also), "--also: file stems must differ from each other and from current/other"
     torch.manual_seed(0)
-    res = dict(gpu=torch.cuda.get_device_name(), against=str(a.against), rows=[])
-    print(f"{'window':>10} {'D':>4} {'S':>6} {'current ms':>10} {'other ms':>9} {'ratio':>6} {'max diff':>9}")
+    res = dict(gpu=torch.cuda.get_device_name(), against=str(a.against), also=[str(f) for f in a.also], rows=[])
+    print(f"{'window':>10} {'D':>4} {'S':>6} {'current ms':>10} {'other ms':>9} {'ratio':>6} {'max diff':>9}"
+          + "".join(f" {f.stem[:16]:>16} ms" for f in a.also))
     with program_variants("gqa_fwd", sources) as use:
-        for window, dim, s in CASES:
+        for window, dim, s in [((c[0], c[1]), c[2], c[3]) for c in (tuple(map(int, c.split(","))) for c in a.case)] or CASES:
             r = run_case(use, sources, window, dim, s)
             res["rows"].append(r)
             print(f"{str(window):>10} {dim:>4} {s:>6} {r['ms']['current']:>10.3f} {r['ms']['other']:>9.3f} {r['ratio']:>6.3f} "
-                  f"{r['max_abs_diff']:>9.2e}", flush=True)
+                  f"{r['max_abs_diff']:>9.2e}" + "".join(f" {r['ms'][f.stem]:>19.3f}" for f in a.also), flush=True)
     out = write_json(a.out or RESULTS / "gqa_ab.json", res)
     print(f"-> {out}")
     return res

@@ -585,9 +585,21 @@ def gqa_config_key(dtype: torch.dtype, dim: int, sliding_window) -> str:
     return _dispatch.spec_key(attention._spec(dtype, dim, *attention.parse_window(sliding_window)))
 
 
-def shipped_tiles(target: str, stage: str, key: str) -> dict:
-    """The tile parameters of config entry `key` (`dtype=bfloat16,dim=128,...`) of `stage`, as the dispatcher reads them."""
-    return _dispatch.tiles(stage, _dispatch.parse_key(key), target)
+def shipped_tiles(target: str, stage: str, key: str | dict) -> dict:
+    """The tile parameters of config entry `key` (`dtype=bfloat16,dim=128,...`, or its spec as a dict) of `stage`, as
+    the dispatcher reads them."""
+    return _dispatch.tiles(stage, key if isinstance(key, dict) else _dispatch.parse_key(key), target)
+
+
+def config_specs(target: str, stage: str) -> list[dict]:
+    """The specializations (`dict(dtype=..., dim=..., ...)`) of the entries of `stage` in the target's config."""
+    return [_dispatch.parse_key(key) for key in _dispatch.load_config(target).get(stage, {})]
+
+
+def stage_kernels(stage: str) -> dict:
+    """The kernels of `stage` the dispatcher holds now, by (spec items, target, option items): what the calls so far
+    compiled or loaded (inside program_variants, the active version's)."""
+    return {k[1:]: v for k, v in _dispatch._kernels.items() if k[0] == stage}
 
 
 def _variant_card(card, name: str, source: Path):
