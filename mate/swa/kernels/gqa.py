@@ -76,6 +76,10 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
      with zeros) and, first, tile 0's V twice; their GEMMs are skipped. The first and the extra iteration take their own branches, so
      that no asynchronous wgmma crosses a branch (ptxas would serialize them).
      The loop always runs at least once, so the Q load is always waited for.
+     As compiled (TileLang 0.1.15, CUDA 13), ptxas hoists the PV wait above the
+     softmax, so the overlap does not happen; a program that keeps the wait after
+     the softmax measured neutral on the H200 (two consumer warpgroups keep the
+     tensor cores busy; benchmarks/results/NVIDIA_H200-2026-12-01-gqa-softmax-join.md).
      After each wgmma wait the released accumulators are fenced, so the
      compiler cannot read S (or overwrite P and O) before the wait.
 """
