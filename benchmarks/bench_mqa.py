@@ -125,10 +125,10 @@ def run_case(case, with_reference=True):
 
 SWEEP = {
     "mqa_logits": [
-        {"block_rows": 64, "block_keys": 128, "threads": 128, "num_stages": 2},
-        {"block_rows": 64, "block_keys": 256, "threads": 128, "num_stages": 2},
-        {"block_rows": 128, "block_keys": 128, "threads": 256, "num_stages": 2},
-        {"block_rows": 64, "block_keys": 64, "threads": 128, "num_stages": 3},
+        {"block_rows": 64, "block_keys": 128, "threads": 128, "num_stages": 1, "min_blocks": 2},
+        {"block_rows": 64, "block_keys": 128, "threads": 128, "num_stages": 2, "min_blocks": 1},
+        {"block_rows": 128, "block_keys": 128, "threads": 256, "num_stages": 2, "min_blocks": 1},
+        {"block_rows": 64, "block_keys": 64, "threads": 128, "num_stages": 3, "min_blocks": 1},
     ],
     "mqa_decode": [
         {"block_keys": 64, "threads": 128},

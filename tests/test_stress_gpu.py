@@ -38,9 +38,9 @@ ONE_STAGE = {
         ("dtype=bfloat16,dim=128,window=local", dict(block_m=128, block_n=128, threads=256, num_stages=1, mma_depth=2)),
     ],
     "mqa_logits": [
-        ("dtype=bfloat16,even_keys=1", dict(block_rows=64, block_keys=128, threads=128, num_stages=1)),
-        ("dtype=bfloat16,even_keys=0", dict(block_rows=64, block_keys=64, threads=128, num_stages=1)),
-        ("dtype=bfloat16,even_keys=1", dict(block_rows=128, block_keys=128, threads=256, num_stages=1)),
+        ("dtype=bfloat16,even_keys=1", dict(block_rows=64, block_keys=128, threads=128, num_stages=1, min_blocks=1)),
+        ("dtype=bfloat16,even_keys=0", dict(block_rows=64, block_keys=64, threads=128, num_stages=1, min_blocks=1)),
+        ("dtype=bfloat16,even_keys=1", dict(block_rows=128, block_keys=128, threads=256, num_stages=1, min_blocks=1)),
     ],
 }
 

@@ -71,8 +71,9 @@ def test_committed_entries_pass_their_stage_limits(stage, key):
     [
         ("mqa_decode", dict(dtype="bfloat16", page_size=128), dict(block_keys=64, threads=128), "multiple of page_size"),
         ("mqa_decode", dict(dtype="bfloat16", page_size=16), dict(block_keys=64, threads=256), "warpgroups"),
-        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=128, block_keys=256, threads=256, num_stages=2), "shared memory"),
-        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=64, block_keys=256, threads=128, num_stages=1), "registers"),
+        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=128, block_keys=256, threads=256, num_stages=2, min_blocks=1), "shared memory"),
+        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=64, block_keys=256, threads=128, num_stages=1, min_blocks=1), "registers"),
+        ("mqa_logits", dict(dtype="bfloat16", even_keys=1), dict(block_rows=64, block_keys=128, threads=128, num_stages=2, min_blocks=2), "per multiprocessor"),
         ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=16, threads=128, num_stages=3, min_blocks=3), "fit in one SM"),
         ("nsa_selection", dict(dtype="bfloat16", dim=128, block_size=64), dict(head_tile=8, threads=128, num_stages=2, min_blocks=3), "H/G = 16"),
         # 57956 B a CTA as the generated CUDA lays it out (reduction scratch and mbarriers included): 4 do not fit

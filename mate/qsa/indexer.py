@@ -53,10 +53,11 @@ def _logits(q, k, lo, hi, scale, target):
     spec = {"dtype": str(q.dtype).removeprefix("torch."), "even_keys": int(N % 2 == 0)}
     kern = _dispatch.kernel(LOGITS.name, spec, target)
     tiles = _dispatch.tiles(LOGITS.name, spec, target)
-    # Split the key axis while that still fits the grid in one wave of the multiprocessors.
+    # Split the key axis while that still fits the grid in one wave of the multiprocessors (min_blocks CTAs
+    # each; more splits, a second wave, measured slower at issue 16's prefill shape: each CTA loads its Q again).
     ctas = -(-R // tiles["block_rows"]) * B
     key_tiles = -(-N // tiles["block_keys"])
-    splits = max(1, min(key_tiles, _sm_count(q.device.index) // ctas))
+    splits = max(1, min(key_tiles, tiles["min_blocks"] * _sm_count(q.device.index) // ctas))
     kern(C.canonical_unit_strides(q), C.canonical_unit_strides(k), lo, hi, out, scale, splits)
     return out
 

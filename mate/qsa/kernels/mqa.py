@@ -8,16 +8,24 @@ rows are the MMA's M operand, one GEMM per head (ReLU sits between the heads'
 products and their sum, so the heads cannot share one GEMM), keys the N
 operand. Key tiles wholly outside every row's interval are filled with -inf
 without loading K; the key axis is split over `grid_y` CTAs so that short
-row counts still fill the GPU.
+row counts still fill the GPU. The tensor cores stay busy through the CUDA-core
+work: the heads' GEMMs go out asynchronously two at a time (each head's ReLU-add
+runs under the next head's GEMM), and a tile's masked, scaled store runs under
+the next tile's first two GEMMs; `min_blocks` CTAs per multiprocessor overlap
+further. (H200, issue 16's prefill: 175.6 us with each head's GEMM waited for
+and the store after the last, 139.7 overlapped, 137.0 with 2 CTAs per SM; a
+TMA store through shared memory was slower, 167.9 us, as TileLang waits for it.)
 
 `mqa_decode` serves paged decode, one query row of 4 heads per request. The
 gathered keys are the M operand and the 4 heads, zero-padded to 8, the N
-operand, so the tensor cores still do the dot products.
+operand, so the tensor cores still do the dot products. At one request the
+call is latency: the page-table entries, the context length and Q are loaded
+together, then the keys, two memory round trips before the MMA.
 """
 
 import tilelang.language as T
 
-from mate.qsa.kernels.mqa_card import DIM, HEADS, HEADS_MMA, LOAD_ELEMS
+from mate.qsa.kernels.mqa_card import DIM, HEADS, HEADS_MMA, LOAD_ELEMS, PRODUCER_REGS, consumer_regs
 
 NEG_INF = -T.infinity("float32")
 ROW_CHUNKS = DIM // LOAD_ELEMS  # 16-byte loads per key row
@@ -65,21 +73,50 @@ def _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, blo
 
 
 @T.macro
-def _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, block_rows, block_keys):
-    """The key tile at k0: the heads' ReLU'd products summed in FP32, scaled, -inf outside each row's interval."""
-    T.clear(acc)
-    for h in T.serial(HEADS):
-        T.gemm(Qs[h, :, :], Ks, S, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(block_rows, block_keys):
-            acc[i, j] += T.max(S[i, j], 0)
+def _heads(Qs, Ks, S0, S1, acc, regs, block_rows, block_keys, store_prev, O, lo_s, hi_s, bz, r0, kp, scale):
+    """acc = sum_h relu(Q_h K^T) of the tile in Ks, the heads' GEMMs on the tensor cores two at a time
+    (S0, S1): each head's ReLU-add runs under the next head's GEMM, and with `store_prev` the previous
+    tile's store (from acc, at key kp) under the first two. Every GEMM is issued and waited inside this
+    block: ptxas serializes an asynchronous GEMM that crosses a branch (C7514). After each wait the
+    registers it released are fenced: else the compiler may read S before the tensor cores are done."""
+    T.wgmma_gemm(Qs[0, :, :], Ks, S0, transpose_B=True, clear_accum=True)
+    T.wgmma_gemm(Qs[1, :, :], Ks, S1, transpose_B=True, clear_accum=True)
+    if store_prev:
+        _store_tile(O, acc, lo_s, hi_s, bz, r0, kp, scale, block_rows, block_keys)
+    T.wait_wgmma(1)
+    T.warpgroup_fence_operand(S0, num_regs=regs)
+    for i, j in T.Parallel(block_rows, block_keys):
+        acc[i, j] = T.max(S0[i, j], 0)
+    T.wgmma_gemm(Qs[2, :, :], Ks, S0, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    T.warpgroup_fence_operand(S1, num_regs=regs)
+    for i, j in T.Parallel(block_rows, block_keys):
+        acc[i, j] += T.max(S1[i, j], 0)
+    T.wgmma_gemm(Qs[3, :, :], Ks, S1, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    T.warpgroup_fence_operand(S0, num_regs=regs)
+    for i, j in T.Parallel(block_rows, block_keys):
+        acc[i, j] += T.max(S0[i, j], 0)
+    T.wait_wgmma(0)
+    T.warpgroup_fence_operand(S1, num_regs=regs)
+    for i, j in T.Parallel(block_rows, block_keys):
+        acc[i, j] += T.max(S1[i, j], 0)
+
+
+@T.macro
+def _store_tile(O, acc, lo_s, hi_s, bz, r0, k0, scale, block_rows, block_keys):
+    """The tile at k0 from acc: scaled, -inf outside each row's interval."""
     for i, j in T.Parallel(block_rows, block_keys):
         n = k0 + j
         acc[i, j] = T.if_then_else((n >= lo_s[i]) & (n < hi_s[i]), acc[i, j] * scale, NEG_INF)
+    T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
 
 
-def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages):
+def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages, min_blocks):
+    assert HEADS == 4, "_heads issues the 4 heads' GEMMs two at a time"
     B, R, N = T.dynamic("B R N")
     sqb, sqr, sqh, skb, skn, slb, slr, shb, shr = T.dynamic("sqb sqr sqh skb skn slb slr shb shr", "int64")
+    regs = block_rows * block_keys // threads
 
     @T.prim_func
     def main(
@@ -92,11 +129,18 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages):
         key_splits: T.int32,
     ):
         with T.Kernel(T.ceildiv(R, block_rows), key_splits, B, threads=threads) as (bx, by, bz):
+            if min_blocks > 1:
+                # Several CTAs per multiprocessor: one's stores and ReLUs run beside another's GEMMs.
+                # The producer warpgroup gives its registers to the consumer, within the CTA's share.
+                T.annotate_min_blocks_per_sm(min_blocks)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGS)
+                T.annotate_consumer_reg_alloc(consumer_regs(threads, min_blocks))
             Qs = T.alloc_shared((HEADS, block_rows, DIM), dtype)
             Ks = T.alloc_shared((block_keys, DIM), dtype)
             lo_s = T.alloc_shared((block_rows,), "int32")
             hi_s = T.alloc_shared((block_rows,), "int32")
-            S = T.alloc_fragment((block_rows, block_keys), "float32")
+            S0 = T.alloc_fragment((block_rows, block_keys), "float32")
+            S1 = T.alloc_fragment((block_rows, block_keys), "float32")
             acc = T.alloc_fragment((block_rows, block_keys), "float32")
             lo_min = T.alloc_var("int32")
             hi_max = T.alloc_var("int32")
@@ -116,11 +160,19 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages):
                 T.copy(Q[bz, r0 : r0 + block_rows, h, :], Qs[h, :, :])
             t_begin, t_end, c_begin, c_end = _visible_tiles(lo_s, hi_s, lo_min, hi_max, by, key_splits, N, block_rows, block_keys)
             _fill_hidden(O, acc, bz, r0, t_begin, t_end, c_begin, c_end, block_rows, block_keys)
-            for t in T.Pipelined(c_end - c_begin, num_stages=num_stages):
-                k0 = (c_begin + t) * block_keys
+            nt = c_end - c_begin
+            # Iteration t scores tile t and stores tile t - 1 meanwhile: one more iteration than tiles,
+            # whose load repeats the last tile (never used).
+            for t in T.Pipelined(nt + T.if_then_else(nt > 0, 1, 0), num_stages=num_stages):
+                k0 = T.min(c_begin + t, c_end - 1) * block_keys
                 T.copy(K[bz, k0 : k0 + block_keys, :], Ks)
-                _score_tile(Qs, Ks, S, acc, lo_s, hi_s, k0, scale, block_rows, block_keys)
-                T.copy(acc, O[bz, r0 : r0 + block_rows, k0 : k0 + block_keys])
+                kp = (c_begin + t - 1) * block_keys
+                if (t > 0) & (t < nt):
+                    _heads(Qs, Ks, S0, S1, acc, regs, block_rows, block_keys, True, O, lo_s, hi_s, bz, r0, kp, scale)
+                elif t < nt:
+                    _heads(Qs, Ks, S0, S1, acc, regs, block_rows, block_keys, False, O, lo_s, hi_s, bz, r0, kp, scale)
+                else:
+                    _store_tile(O, acc, lo_s, hi_s, bz, r0, kp, scale, block_rows, block_keys)
 
     return main
 
@@ -129,13 +181,14 @@ def mqa_logits(dtype, even_keys, block_rows, block_keys, threads, num_stages):
 
 
 @T.macro
-def _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile):
-    """The pool pages of this key tile, -1 for one not to read: a page is read only if it is in the table,
-    inside the pool and holds a visible key."""
-    for j in T.Parallel(pages_per_tile):
-        lp = n0 // page_size + j
-        p = T.if_then_else((lp < MP) & (lp * page_size < ctx), page_table[by, lp], -1)
-        pages[j] = T.if_then_else((p >= 0) & (p < P), p, -1)
+def _tile_pages(pages, pt, tx, n0, ctx, P, page_size, pages_per_tile):
+    """The pool pages of this key tile into `pages`, -1 for one not to read: a page is read only if it is
+    in the table, inside the pool and holds a visible key. Thread j loaded entry j into `pt` (whatever the
+    context length: it is inside the table) before the Q loads, so the table, the length and Q arrive
+    in one memory round trip, not three in turn."""
+    if tx < pages_per_tile:
+        lp = n0 // page_size + tx
+        pages[tx] = T.if_then_else((pt >= 0) & (pt < P) & (lp * page_size < ctx), pt, -1)
 
 
 @T.macro
@@ -194,11 +247,13 @@ def mqa_decode(dtype, page_size, block_keys, threads):
             n0 = bx * block_keys
             ctx = context_lens[by]
 
-            _tile_pages(page_table, pages, by, n0, ctx, MP, P, page_size, pages_per_tile)
+            lp = n0 // page_size + tx
+            pt = T.if_then_else((tx < pages_per_tile) & (lp < MP), page_table[by, lp], -1)
             # Q goes through plain loads, so a broadcast (stride-0) batch axis is fine.
             # Heads past HEADS are the zero rows that pad the MMA's N.
             for h, d in T.Parallel(HEADS_MMA, DIM):
                 Qs[h, d] = T.if_then_else(h < HEADS, Q[by, h, d], T.cast(0, dtype))
+            _tile_pages(pages, pt, tx, n0, ctx, P, page_size, pages_per_tile)
             _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, dtype)
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
             for i, h in T.Parallel(block_keys, HEADS_MMA):

@@ -6,13 +6,18 @@ tiles in shared memory, the score tiles in FP32 registers).
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_REGS, SMEM_PER_CTA, itemsize, warpgroups
+from mate._hopper import MAX_REGS, SMEM_PER_CTA, SMEM_PER_SM, itemsize, warpgroups
 
 HEADS, DIM = 4, 128  # the indexer's geometry: the programs' `heads` and `dim`
 HEADS_MMA = max(8, HEADS)  # the decode MMA's N is at least 8: heads padded with zero rows
 LOAD_ELEMS = 8  # 16-bit elements per 16-byte load
 PAGE_SIZES = (8, 16, 32, 64)  # decode's page sizes, one specialization each
 SPARE_REGS = 64  # registers per thread kept beside the tiles (addresses, indices, loop state)
+# mqa_logits' consumer beside its three score fragments: ptxas fit 64 x 128 tiles (192 fragment registers)
+# into 232 with a 4-byte spill (CUDA 13.0)
+LOGITS_SPARE_REGS = 40
+REG_FILE = 65536  # 32-bit registers per multiprocessor
+PRODUCER_REGS = 24  # per thread of mqa_logits' TMA warpgroup, which only issues copies
 
 
 def _logits_limits(spec, t):
@@ -22,10 +27,21 @@ def _logits_limits(spec, t):
     smem = itemsize(spec["dtype"]) * (HEADS * t["block_rows"] * DIM + t["num_stages"] * t["block_keys"] * DIM) + 2 * t["block_rows"] * 4
     if smem > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    regs = 2 * t["block_rows"] * t["block_keys"] // t["threads"]  # S and acc, FP32
-    if regs + SPARE_REGS > MAX_REGS:
-        return f"{regs} accumulator registers per thread leave too few of {MAX_REGS}"
+    blocks = t["min_blocks"]
+    if blocks * (smem + 1024) > SMEM_PER_SM:
+        return f"{blocks} CTAs of {smem} B shared memory > {SMEM_PER_SM} per multiprocessor"
+    # Two heads' products and the sum, FP32, in the consumer's share of the CTA's registers.
+    regs = 3 * t["block_rows"] * t["block_keys"] // t["threads"]
+    have = consumer_regs(t["threads"], blocks)
+    if regs + LOGITS_SPARE_REGS > have:
+        return f"{regs} accumulator registers per thread leave too few of {have}"
     return None
+
+
+def consumer_regs(threads: int, min_blocks: int) -> int:
+    """Registers per consumer thread of a mqa_logits CTA: what setmaxnreg can give it from `min_blocks` CTAs'
+    share of the register file, after the TMA warpgroup's PRODUCER_REGS (at most 240: TileLang's default)."""
+    return min(240, (REG_FILE // min_blocks - 128 * PRODUCER_REGS) // threads // 8 * 8)
 
 
 def _decode_limits(spec, t):
@@ -48,7 +64,7 @@ def _decode_limits(spec, t):
 
 LOGITS = Stage(
     "mqa_logits", "mate.qsa.kernels.mqa", "mqa_logits",
-    space=dict(block_rows=(64, 128), block_keys=(64, 128, 256), threads=(128, 256), num_stages=(1, 2, 3)),
+    space=dict(block_rows=(64, 128), block_keys=(64, 128, 256), threads=(128, 256), num_stages=(1, 2, 3), min_blocks=(1, 2)),
     keys=("dtype", "even_keys"),
     limits=_logits_limits,
     shapes=dict(
