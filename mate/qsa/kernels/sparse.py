@@ -43,7 +43,12 @@ KB and one row's attention from 27.3 to 16.8 us (ncu, caches flushed;
 benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-sass.md). Prefill is not bound by L2 or DRAM: folding every selected token into a
 quarter of the pool (16.8 MB of K/V instead of 67 MB) saved 2% (H200, 4096
 rows); the separate K/V barriers saved 11% (3679 -> 3277 us;
-benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md).
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md). A timeline of split decode
+(globaltimer stamps per phase, one row, 11 splits of 3 tiles, L2 flushed;
+benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-s16x.md), in us after the first CTA starts:
+request metadata 1.4, token ids 1.9, pages 2.6, the three tiles' cp.async issued by 4.1 / 5.4 / 6.8
+(1.35 us of issue a tile), the consumer's Q tile in shared memory only at 10.0 (its 32 loads a
+thread), each tile's math 0.85, the partial stores issued by 15.6, the merge 16.5 to 18.9.
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -59,7 +64,9 @@ absent one is a 1-element placeholder that is never read.
 `split=False`: the CTA owns the whole token list and writes the output
 (gated, dtype) and LSE straight into the caller's buffers. `split=True`: it
 owns a contiguous share of the list and writes FP32 partials to a workspace;
-`merge` combines them, in a second launch. Merging in the attention launch (the
+`merge` combines them, in a second launch, a programmatic dependent one: the attention
+kernel triggers at its start, so the merge's CTAs are resident (their gate lines sent to
+L2) and wait in griddepcontrol.wait for the attention grid's end. Merging in the attention launch (the
 last CTA of a row and KV head to finish merges, after a fence and an atomic in
 every CTA) was measured slower on the H200: one row 31.0 us against 25.4 with
 the one-pass merge kernel, 8 rows 37.9 against 35.4 (cold graph, one device
@@ -75,7 +82,7 @@ from mate._tl import (
 )
 from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
 
-# split only: an L2 prefetch (never faults, never waits)
+# the split kernel's and the merge's: an L2 prefetch (never faults, never waits)
 SPLIT_SOURCE = (
     '\n__device__ __forceinline__ void mate_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }\n'
 )
@@ -120,9 +127,16 @@ def _row_request(ROWMAP, counts, b: T.Ref, local: T.Ref, nrows: T.Ref, lo: T.Ref
         local = row % q_len
         nrows = q_len
     elif row_mode == ROW_CU:
-        # the last request whose first row is <= row (cu_seqlens_q is nondecreasing)
-        lo = 0
-        hi = n_req
+        # the last request whose first row is <= row (cu_seqlens_q is nondecreasing). A guess is checked first,
+        # request `row` (decode: a row a request), its two loads beside those of ROWMAP[0] and ROWMAP[n_req]:
+        # a hit skips the search's chain of dependent loads.
+        g = T.max(T.min(row, n_req - 1), 0)
+        if (ROWMAP[g] <= row) & (row < ROWMAP[T.min(g + 1, n_req)]):
+            lo = g
+            hi = g + 1
+        else:
+            lo = 0
+            hi = n_req
         for _ in T.serial(31):
             if hi - lo > 1:
                 mid = (lo + hi) // 2
@@ -247,7 +261,10 @@ def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limi
         ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
         pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
         if paged:
-            pg[j] = T.if_then_else(ok, BT[bs, T.max(t, 0) // PS], -1)
+            # loaded whether or not the token is visible (an entry of the row's table, clamped, selected away
+            # when not), so that the load waits for the token id and the request, not for seq_lens_k
+            pg[j] = T.if_then_else(live & (BT.shape[1] > 0), BT[bs, T.min(T.max(t, 0) // PS, BT.shape[1] - 1)], -1)
+            pg[j] = T.if_then_else(ok, pg[j], -1)
         pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
     for j in T.unroll(PER_THREAD):
         tok_page[j * 128 + ptx] = pg[j]  # -1: masked
@@ -485,6 +502,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             T.assume(svs % 8 == 0)
             T.assume(svh % 8 == 0)
             if split:
+                # the merge launch (programmatic dependent launch) may start once every CTA of this grid runs:
+                # its CTAs wait in griddepcontrol.wait for this grid's end, having been launched already
+                T.pdl_trigger()
                 _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK)
 
             # bound once: as expressions, the division and its floor fixups are re-emitted (int64 in the
@@ -624,11 +644,24 @@ def merge(pdtype, odtype, threads):
         flags: T.int32,
     ):
         with T.Kernel(R * H, threads=threads) as bx:
+            T.import_source(SPLIT_SOURCE)
             r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
             h = T.alloc_var("int32")
             r = bx // H
             h = bx % H
             tx = T.get_thread_binding()
+            # Launched as a programmatic dependent (TileLang does so for a kernel with pdl_sync): it may start
+            # before the previous kernel in the stream ends (the split attention kernel lets it at its start),
+            # and reads nothing before this wait for that kernel's end. The gate's line is sent to L2 first:
+            # the gate is older than the previous kernel, and an L2 prefetch cannot make a later load stale
+            # (L2 is where the GPU's global memory is coherent).
+            if (flags & HAS_GATE) != 0:
+                dg = T.min(tx, D - 1)
+                if (flags & GATE_NATIVE) != 0:
+                    _prefetch(GH[T.min(r, RGH - 1), T.min(h, HGH - 1), T.min(dg, DGH - 1)])
+                else:
+                    _prefetch(G[T.min(r, RG - 1), T.min(h, HG - 1), T.min(dg, DG - 1)])
+            T.pdl_sync()
             ls = T.alloc_local((MERGE_STEP,), "float32")
             ps = T.alloc_local((MERGE_STEP,), "float32")
             st = T.alloc_local((4,), "float32")
