@@ -48,7 +48,8 @@ benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-prefill.md). A timeline of
 benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-s16x.md), in us after the first CTA starts:
 request metadata 1.4, token ids 1.9, pages 2.6, the three tiles' cp.async issued by 4.1 / 5.4 / 6.8
 (1.35 us of issue a tile), the consumer's Q tile in shared memory only at 10.0 (its 32 loads a
-thread), each tile's math 0.85, the partial stores issued by 15.6, the merge 16.5 to 18.9.
+thread), each tile's math 0.85, the partial stores issued by 15.6, the merge 16.5 to 18.9. So the
+split kernel's consumer loads its Q elements into registers at the CTA's start (_load_q).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -272,6 +273,26 @@ def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limi
 
 
 @T.macro
+def _load_q(Q, qr, row, h0, group, ctx, head_tile):
+    """split: this consumer thread's Q elements into registers at the CTA's start, all loads in flight together
+    (unconditional: a head past the group reads the group's last head, zeroed by _store_q). Loaded where the
+    tile goes to shared memory, under `h < group`, they went out a few at a time: the Q tile landed 8.5 us
+    after the CTA's start, 3 us after the producer had issued the last tile (benchmarks/results/
+    NVIDIA_H200-2026-12-01-qsa-issue16-s16x.md)."""
+    for i in T.unroll(head_tile * DIM // 128):
+        e = i * 128 + ctx
+        qr[i] = Q[row, h0 + T.min(e // DIM, group - 1), e % DIM]
+
+
+@T.macro
+def _store_q(Qs, qr, group, ctx, dtype, head_tile):
+    """The registers of _load_q into the Q tile; heads past the group are zero rows, never stored."""
+    for i in T.unroll(head_tile * DIM // 128):
+        e = i * 128 + ctx
+        Qs[e // DIM, e % DIM] = T.if_then_else(e // DIM < group, qr[i], T.cast(0, dtype))
+
+
+@T.macro
 def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype):
     """Wait for a free stage, then gather tile `it`'s K/V rows into it by cp.async (zero-filled for masked
     tokens); the full barrier counts their completion and, by each thread's arrival, the valid flags."""
@@ -478,6 +499,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             tok_slot = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
             tok = T.alloc_local((PER_THREAD,), "int32")
             pg = T.alloc_local((PER_THREAD,), "int32")
+            qr = T.alloc_local((head_tile * DIM // 128,), dtype)  # split: the consumer's Q elements (_load_q)
             counts = T.alloc_shared((2,), "int32", scope="shared")
             if split:
                 full = T.alloc_barrier([2 * 128] * num_stages)
@@ -513,6 +535,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             h0 = T.alloc_var("int32")
             group = HQ // HKV
             h0 = kvh * group
+            if split:
+                if tx >= 128:
+                    _load_q(Q, qr, row, h0, group, tx - 128, head_tile)
             _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
             bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
@@ -539,9 +564,12 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                                 num_stages, dtype, NB, P, PS)
             else:
                 # ---------------- consumer
-                # Heads past the group are zero rows of Q, never stored.
-                for h, d in T.Parallel(head_tile, DIM):
-                    Qs[h, d] = T.if_then_else(h < group, Q[row, h0 + h, d], T.cast(0, dtype))
+                if split:
+                    _store_q(Qs, qr, group, tx - 128, dtype, head_tile)
+                else:
+                    # Heads past the group are zero rows of Q, never stored.
+                    for h, d in T.Parallel(head_tile, DIM):
+                        Qs[h, d] = T.if_then_else(h < group, Q[row, h0 + h, d], T.cast(0, dtype))
                 T.sync_threads(CONSUMER_BARRIER, 128)
                 fence()
                 T.fill(acc, 0)
