@@ -6,7 +6,7 @@ tiles in shared memory, the score tiles in FP32 registers).
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_REGS, SMEM_PER_CTA, SMEM_PER_SM, itemsize, warpgroups
+from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize, warpgroups
 
 HEADS, DIM = 4, 128  # the indexer's geometry: the programs' `heads` and `dim`
 HEADS_MMA = max(8, HEADS)  # the decode MMA's N is at least 8: heads padded with zero rows
@@ -16,7 +16,6 @@ SPARE_REGS = 64  # registers per thread kept beside the tiles (addresses, indice
 # mqa_logits' consumer beside its three score fragments: ptxas fit 64 x 128 tiles (192 fragment registers)
 # into 232 with a 4-byte spill (CUDA 13.0)
 LOGITS_SPARE_REGS = 40
-REG_FILE = 65536  # 32-bit registers per multiprocessor
 PRODUCER_REGS = 24  # per thread of mqa_logits' TMA warpgroup, which only issues copies
 
 
@@ -28,7 +27,7 @@ def _logits_limits(spec, t):
     if smem > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
     blocks = t["min_blocks"]
-    if blocks * (smem + 1024) > SMEM_PER_SM:
+    if blocks * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
         return f"{blocks} CTAs of {smem} B shared memory > {SMEM_PER_SM} per multiprocessor"
     # Two heads' products and the sum, FP32, in the consumer's share of the CTA's registers.
     regs = 3 * t["block_rows"] * t["block_keys"] // t["threads"]
@@ -41,7 +40,7 @@ def _logits_limits(spec, t):
 def consumer_regs(threads: int, min_blocks: int) -> int:
     """Registers per consumer thread of a mqa_logits CTA: what setmaxnreg can give it from `min_blocks` CTAs'
     share of the register file, after the TMA warpgroup's PRODUCER_REGS (at most 240: TileLang's default)."""
-    return min(240, (REG_FILE // min_blocks - 128 * PRODUCER_REGS) // threads // 8 * 8)
+    return min(240, (REGS_PER_SM // min_blocks - WARPGROUP * PRODUCER_REGS) // threads // 8 * 8)
 
 
 def _decode_limits(spec, t):
