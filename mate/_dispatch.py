@@ -203,17 +203,19 @@ _kernels: dict = {}
 _lock = threading.Lock()
 
 
-def _program(stage: str, spec: dict, target: str, tile_values: dict | None):
+def _program(stage: str, spec: dict, target: str, tile_values: dict | None, card=None):
     values = tiles(stage, spec, target) if tile_values is None else tile_values
-    return STAGES[stage].build(**spec, **values)
+    return (card or STAGES[stage]).build(**spec, **values)
 
 
-def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None):
-    """Build and compile one specialization (used by dispatch, mate-precompile, the CI compile check and tuning)."""
+def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None, card=None):
+    """Build and compile one specialization (used by dispatch, mate-precompile, the CI compile check and tuning);
+    `card`: another version of the stage's card in its place (mate.testing.compile_variant)."""
     import tilelang
 
-    program = _program(stage, spec, target, tile_values)
-    return tilelang.compile(program, target=TARGETS[target][1], pass_configs=STAGES[stage].pass_config_dict())
+    card = card or STAGES[stage]
+    program = _program(stage, spec, target, tile_values, card)
+    return tilelang.compile(program, target=TARGETS[target][1], pass_configs=card.pass_config_dict())
 
 
 def lower_program(stage: str, spec: dict, target: str, tile_values: dict | None = None) -> str:

@@ -616,12 +616,8 @@ def compile_variant(stage: str, spec: dict, tiles: dict, source=None, target: st
     """The kernel of `stage` for `spec` at `tiles`: the shipped program, or the one in the file `source` (another
     version of its module, as in program_variants). Run in worker processes first, it fills TileLang's disk
     cache, so the benchmark's own compile of the same kernel is a load."""
-    import tilelang
-
-    card = _dispatch.STAGES[stage]
-    if source is not None:
-        card = _variant_card(card, f"mate_variant_{stage}_{Path(source).stem}", Path(source))
-    return tilelang.compile(card.build(**spec, **tiles), target=_dispatch.TARGETS[target][1], pass_configs=card.pass_config_dict())
+    card = None if source is None else _variant_card(_dispatch.STAGES[stage], f"mate_variant_{stage}_{Path(source).stem}", Path(source))
+    return _dispatch.compile_program(stage, spec, target, tiles, card)
 
 
 def _cache_variant(job) -> str | None:
