@@ -35,7 +35,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import PEAK_BYTES, RESULTS, capture_graph, environment, few_ms, figure, graph_ms, median_ms, write_json
+from common import PEAK_BYTES, RESULTS, cold_graph_us, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
 from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem
@@ -43,14 +43,6 @@ from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, progr
 HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
 REPORT = dict(stage="qsa_attention", quick=["--batches", "1", "64", "--prefill-rows", "1024", "--splits", "1", "4"], full=[])
-
-
-def cold_graph_us(fn) -> float:
-    """One call per CUDA-graph replay, do_bench median; triton's do_bench flushes L2 before each replay."""
-    import triton
-
-    graph, _ = capture_graph(fn)
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def torch_baseline(p, rows_per_req, chunk=256):

@@ -40,6 +40,15 @@ def few_ms(fn, reps=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cold_graph_us(fn, warmup: int = 25, rep: int = 200) -> float:
+    """One call per CUDA-graph replay, do_bench median in us; triton's do_bench flushes L2 before each replay
+    (issue 16's measurement)."""
+    import triton
+
+    graph, _ = capture_graph(fn)
+    return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
 def rel_err(out, ref) -> float:
     """Relative L2 error over the finite reference values; the -inf patterns must agree."""
     out, ref = out.double(), ref.double()

@@ -26,13 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import RESULTS, rel_err, write_json  # noqa: E402
+from common import RESULTS, cold_graph_us, rel_err, write_json  # noqa: E402
 
 import mate  # noqa: E402
 
 LAUNCHES = 1000
 LOGITS_KEY = dict(dtype="bfloat16", even_keys=1)
 DECODE_KEY = dict(dtype="bfloat16", page_size=16)
+KEYS = {"mqa_logits": LOGITS_KEY, "mqa_decode": DECODE_KEY}  # the specialization each stage's variants take
 # (name, stage, program: "current" or "other", tiles)
 VARIANTS = [
     ("logits other 64x128 s2", "mqa_logits", "other", dict(block_rows=64, block_keys=128, threads=128, num_stages=2, min_blocks=1)),
@@ -50,9 +51,8 @@ VARIANTS = [
 
 
 def jobs(against: Path) -> list[tuple]:
-    key = {"mqa_logits": LOGITS_KEY, "mqa_decode": DECODE_KEY}
     # b8777bc's logits program (the version this was written against) has no min_blocks: one CTA per multiprocessor.
-    return [(stage, key[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p != "min_blocks"},
+    return [(stage, KEYS[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p != "min_blocks"},
              None if prog == "current" else str(against)) for _, stage, prog, tiles in VARIANTS]
 
 
@@ -89,19 +89,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=16)
     a = ap.parse_args(argv)
-    from mate.testing import cache_variants, capture_graph, compile_variant, environment, graph_ms, using_kernel
+    from mate.testing import cache_variants, compile_variant, environment, graph_ms, using_kernel
 
-    errors = cache_variants(jobs(a.against), a.workers)
+    todo = jobs(a.against)
+    errors = cache_variants(todo, a.workers)
     for (name, *_), error in zip(VARIANTS, errors):
         print(f"compiled {name}: {error or 'ok'}", flush=True)
     if a.compile_only:
         return {}
-    import triton
-
-    kernels = [compile_variant(*job) if error is None else None for job, error in zip(jobs(a.against), errors)]
+    kernels = [compile_variant(*job) if error is None else None for job, error in zip(todo, errors)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = {"mqa_logits": [prefill_case(gen)], "mqa_decode": [decode_case(gen, 1), decode_case(gen, 64)]}
-    key = {"mqa_logits": LOGITS_KEY, "mqa_decode": DECODE_KEY}
     res = {**environment(), "against": str(a.against), "launches": LAUNCHES,
            "timing": "us per call; cold: one call per CUDA-graph replay, L2 flushed before each (do_bench median); "
                      "warm: back-to-back calls in one graph (graph_ms); 3 interleaved rounds, the middle", "rows": []}
@@ -111,7 +109,7 @@ def main(argv=None) -> dict:
             ref = call("reference")
             rows = {}
             for (name, _, prog, tiles), kern in mine:
-                with using_kernel(stage, key[stage], kern, tiles):
+                with using_kernel(stage, KEYS[stage], kern, tiles):
                     ptr = poisoned(shape)
                     out = call()
                     assert out.data_ptr() == ptr, "the output did not land in the poisoned block"
@@ -129,9 +127,8 @@ def main(argv=None) -> dict:
             for _ in range(3):
                 for (name, *_), kern in mine:
                     tiles = rows[name]["tiles"]
-                    with using_kernel(stage, key[stage], kern, tiles):
-                        graph, _ = capture_graph(call)
-                        rows[name]["cold"].append(triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3)
+                    with using_kernel(stage, KEYS[stage], kern, tiles):
+                        rows[name]["cold"].append(cold_graph_us(call, warmup=10, rep=60))
                         rows[name]["warm"].append(graph_ms(call, target_ms=2, warmup=10, rep=50) * 1e3)
             for name, r in rows.items():
                 r["cold_us"], r["warm_us"] = sorted(r["cold"])[1], sorted(r["warm"])[1]
