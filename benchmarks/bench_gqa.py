@@ -215,11 +215,28 @@ def decode_bytes(q, table, lens, ctx: int, window) -> int:
     return nd * HKV * keys * d * 2 * 2 + 2 * q.numel() * 2 + table.numel() * 4 + lens.numel() * 4
 
 
-def decode(args) -> dict:
-    """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
+def first_sdpa(qt, kt, vt):
+    """(name, call) of the first torch SDPA backend of cuDNN, flash, efficient that runs GQA attention of qt over
+    kt, vt ([B, H, S, D]), or (None, None); the call enters that backend's context itself, so a timing of it
+    times the backend named."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
+    def call_with(backend):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            call_with(backend)
+            return backend.name, lambda b=backend: call_with(b)
+        except RuntimeError:
+            continue
+    return None, None
+
+
+def decode(args) -> dict:
+    """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
     dev = torch.device("cuda")
     nd, ctx, D = 64, 8192, 128
     meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call",
@@ -228,20 +245,6 @@ def decode(args) -> dict:
                      "block_table and seq_lens_k; mate's FP32 split partials (written, then read by the merge) are not counted",
             "rows": []}
     add = _row_writer(args, meta)
-
-    def _sdpa_with(backend, qt, kt, vt):  # timed inside the context, so the backend named is the one that runs
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-
-    def sdpa(qt, kt, vt):
-        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            try:
-                with sdpa_kernel([backend]):
-                    F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-                return backend.name, lambda b=backend: _sdpa_with(b, qt, kt, vt)
-            except RuntimeError:
-                continue
-        return None, None
 
     lens = torch.full((nd,), ctx, dtype=torch.int32, device=dev)
     if args.tiles:  # compile the other tiles in parallel first (one after another at first use: minutes)
@@ -278,7 +281,7 @@ def decode(args) -> dict:
                     row["mate_padded_ms"] = timed_ms(lambda: mate.gqa_attention(q, kd, vd, sliding_window=window, out=outp))
                     qt, kt, vt = q.transpose(1, 2), kd[:, ctx - keys :].transpose(1, 2), vd[:, ctx - keys :].transpose(1, 2)
                     if sq == 1:  # one row sees every kept key (several would need the band as a mask)
-                        name, fn = sdpa(qt, kt, vt)
+                        name, fn = first_sdpa(qt, kt, vt)
                         if fn is not None:
                             bms = timed_ms(fn)
                             row.update(baseline=f"torch SDPA {name} on the dense visible K/V", baseline_ms=bms,
