@@ -49,7 +49,13 @@ benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-s16x.md), in us after the 
 request metadata 1.4, token ids 1.9, pages 2.6, the three tiles' cp.async issued by 4.1 / 5.4 / 6.8
 (1.35 us of issue a tile), the consumer's Q tile in shared memory only at 10.0 (its 32 loads a
 thread), each tile's math 0.85, the partial stores issued by 15.6, the merge 16.5 to 18.9. So the
-split kernel's consumer loads its Q elements into registers at the CTA's start (_load_q).
+split kernel's consumer loads its Q elements into registers at the CTA's start (_load_q), stages its partial
+output through shared memory (_store_partial), and eight producer warps issue the gather where a CTA has an
+SM to itself (wide=0): benchmarks/gather_probe.py times the gather alone, and a CTA's cp.async go out faster
+from eight warps than from four (H200, 22 CTAs of 3 tiles: 11.6 against 12.6 us; 132 CTAs of 33 tiles,
+3 stages: 84.8 against 100.0 us). With two CTAs an SM (wide=1, a one-stage ring each) four warps a CTA
+issue as fast as eight (264 CTAs of 33 tiles: 143.2 against 141.3 us), and a third warpgroup's registers
+would cost the second CTA (benchmarks/results/NVIDIA_H200-2026-12-01-qsa-gather-probe.md).
 
 A masked token gets score -inf and a zero V row: its P is 0 and 0 * V is 0
 (a garbage V row could be NaN). The running max starts at a finite floor, so
@@ -81,7 +87,7 @@ from tvm import tirx
 from mate._tl import (
     FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
-from mate.qsa.kernels.sparse_card import DECODE_TILES, DIM, TILE
+from mate.qsa.kernels.sparse_card import CONSUMER_THREADS, DECODE_TILES, DIM, TILE
 
 # the split kernel's and the merge's: an L2 prefetch (never faults, never waits)
 SPLIT_SOURCE = (
@@ -109,7 +115,6 @@ GATE_NATIVE = 256  # with HAS_GATE: the gate is GH, in the output's dtype (no FP
 # metadata is range-checked in the kernel, and the cp.async zero-fill needs the bare
 # predicate that safe-memory legalization would wrap.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True), ("tl.disable_safe_memory_legalize", True))
-PER_THREAD = DECODE_TILES * TILE // 128  # slots each producer thread decodes per chunk
 CONSUMER_BARRIER = 1  # the same 128 threads as TileLang's consumer reductions (ids 1 and 2)
 PRODUCER_BARRIER = 3
 NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"  # completion is tracked by the full mbarrier
@@ -240,10 +245,10 @@ def _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, 
 
 
 @T.macro
-def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, blocks, NB):
+def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, blocks, NB, producers):
     """The token ids of this thread's slots of the next DECODE_TILES tiles (-1: none), all loads in flight."""
-    for j in T.unroll(PER_THREAD):
-        s = first + it * TILE + j * 128 + ptx
+    for j in T.unroll(DECODE_TILES * TILE // producers):
+        s = first + it * TILE + j * producers + ptx
         tok[j] = -1
         if s < last:
             if s < block_slots:
@@ -255,9 +260,9 @@ def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, b
 
 
 @T.macro
-def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS):
+def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS, producers):
     """Each decoded token's (page, slot) in K/V, page -1 for a masked token, published to the producer's shared lists."""
-    for j in T.unroll(PER_THREAD):
+    for j in T.unroll(DECODE_TILES * TILE // producers):
         t = tok[j]
         ok = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
         pg[j] = T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs)
@@ -265,11 +270,10 @@ def _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limi
             # loaded whether or not the token is visible (an entry of the row's table, clamped, selected away
             # when not), so that the load waits for the token id and the request, not for seq_lens_k
             pg[j] = T.if_then_else(live & (BT.shape[1] > 0), BT[bs, T.min(T.max(t, 0) // PS, BT.shape[1] - 1)], -1)
-            pg[j] = T.if_then_else(ok, pg[j], -1)
         pg[j] = T.if_then_else(ok & (pg[j] >= 0) & (pg[j] < P), pg[j], -1)
-    for j in T.unroll(PER_THREAD):
-        tok_page[j * 128 + ptx] = pg[j]  # -1: masked
-        tok_slot[j * 128 + ptx] = T.if_then_else(paged, T.max(tok[j], 0) % PS, T.max(tok[j], 0))
+    for j in T.unroll(DECODE_TILES * TILE // producers):
+        tok_page[j * producers + ptx] = pg[j]  # -1: masked
+        tok_slot[j * producers + ptx] = T.if_then_else(paged, T.max(tok[j], 0) % PS, T.max(tok[j], 0))
 
 
 @T.macro
@@ -363,18 +367,19 @@ def _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_
 
 @T.macro
 def _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, row, ptx, kvh,
-                n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS):
+                n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS,
+                producers):
     """split=0 producer: the token ids of chunk n + 1 are loaded while chunk n is gathered (a chunk's page
     lookups wait only for block_table, not for token_indices first), then tiles go out by _gather_tile_kv."""
-    _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB)
+    _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB, producers)
     for it in T.serial(n_tiles):
         if it % DECODE_TILES == 0:
             # every producer thread is done reading the previous chunk's addresses
-            T.sync_threads(PRODUCER_BARRIER, 128)
+            T.sync_threads(PRODUCER_BARRIER, producers)
             fence()
-            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
-            _decode_tokens(TI, BI, tok, row, it + DECODE_TILES, ptx, first, last, block_slots, blocks, NB)
-            T.sync_threads(PRODUCER_BARRIER, 128)
+            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS, producers)
+            _decode_tokens(TI, BI, tok, row, it + DECODE_TILES, ptx, first, last, block_slots, blocks, NB, producers)
+            T.sync_threads(PRODUCER_BARRIER, producers)
             fence()
         _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype)
 
@@ -419,12 +424,19 @@ def _reciprocal(l_sum, inv, head_tile):
 
 
 @T.macro
-def _store_partial(O, LSE, acc, m_cur, l_sum, inv, sp, row, h0, group, scale, head_tile):
-    """split: this share's FP32 partial output and LSE, for `merge`."""
+def _store_partial(O, LSE, Os, acc, m_cur, l_sum, inv, sp, row, h0, group, scale, head_tile):
+    """split: this share's FP32 partial output and LSE, for `merge`. The output goes through shared memory Os
+    [heads, DIM]: straight from the fragment, a thread's 32 values are 32 scalar stores 8 rows apart, which the
+    H200 timeline put at 2.7 us of a one-row decode; from Os they are 8 coalesced 16-byte stores. (A view of the
+    idle K ring would save the 16 KB, but TileLang 0.1.15 carries the ring's swizzle into a 32-bit view.)"""
     _reciprocal(l_sum, inv, head_tile)
     for d, h in T.Parallel(DIM, head_tile):
+        Os[h, d] = acc[d, h] * inv[h]
+    T.sync_threads(CONSUMER_BARRIER, 128)
+    fence()
+    for h, d in T.Parallel(head_tile, DIM):
         if h < group:
-            O[sp, row, h0 + h, d] = acc[d, h] * inv[h]
+            O[sp, row, h0 + h, d] = Os[h, d]
     for h in T.Parallel(head_tile):
         if h < group:
             LSE[sp, row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
@@ -446,9 +458,10 @@ def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, 
                 LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
-def sparse_attention(dtype, split, wide, head_tile, num_stages):
+def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
     # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
-    threads = 256  # producer warpgroup + consumer warpgroup
+    threads = producers + CONSUMER_THREADS  # producer warpgroup(s), then the consumer warpgroup
+    per_thread = DECODE_TILES * TILE // producers  # token slots a producer thread decodes per chunk
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
     NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
     RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
@@ -494,20 +507,23 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             Ks = T.alloc_shared((num_stages, TILE, DIM), dtype)
             Vs = T.alloc_shared((num_stages, TILE, DIM), dtype)
             Ps = T.alloc_shared((TILE, head_tile), dtype)
+            if split:
+                # unpadded: at 3 stages a padded one (4-way bank conflicts gone) passes 227 KB by 824 B
+                Os = T.alloc_shared((head_tile, DIM), "float32")
             valid = T.alloc_shared((num_stages, TILE), "int32", scope="shared")
             tok_page = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
             tok_slot = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
-            tok = T.alloc_local((PER_THREAD,), "int32")
-            pg = T.alloc_local((PER_THREAD,), "int32")
+            tok = T.alloc_local((per_thread,), "int32")
+            pg = T.alloc_local((per_thread,), "int32")
             qr = T.alloc_local((head_tile * DIM // 128,), dtype)  # split: the consumer's Q elements (_load_q)
             counts = T.alloc_shared((2,), "int32", scope="shared")
             if split:
-                full = T.alloc_barrier([2 * 128] * num_stages)
+                full = T.alloc_barrier([2 * producers] * num_stages)
                 empty = T.alloc_barrier([128] * num_stages)
             else:
-                k_full = T.alloc_barrier([2 * 128] * num_stages)
+                k_full = T.alloc_barrier([2 * producers] * num_stages)
                 k_empty = T.alloc_barrier([128] * num_stages)
-                v_full = T.alloc_barrier([2 * 128] * num_stages)
+                v_full = T.alloc_barrier([2 * producers] * num_stages)
                 v_empty = T.alloc_barrier([128] * num_stages)
             S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
@@ -536,36 +552,37 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
             group = HQ // HKV
             h0 = kvh * group
             if split:
-                if tx >= 128:
-                    _load_q(Q, qr, row, h0, group, tx - 128, head_tile)
+                if tx >= producers:
+                    _load_q(Q, qr, row, h0, group, tx - producers, head_tile)
             _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
             bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
             block_slots = T.alloc_var("int32")
             blocks, first, last, n_tiles = _list_share(BI, n_slots, block_slots, lo, hi, row, sp, flags, chunk, W, NB)
 
-            if tx < 128:
+            if tx < producers:
                 # ---------------- producer
                 ptx = tx
                 if split:
                     for it in T.serial(n_tiles):
                         if it % DECODE_TILES == 0:
                             # every producer thread is done reading the previous chunk's addresses
-                            T.sync_threads(PRODUCER_BARRIER, 128)
+                            T.sync_threads(PRODUCER_BARRIER, producers)
                             fence()
-                            _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB)
-                            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS)
-                            T.sync_threads(PRODUCER_BARRIER, 128)
+                            _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB, producers)
+                            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS,
+                                             producers)
+                            T.sync_threads(PRODUCER_BARRIER, producers)
                             fence()
                         _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
                 else:
                     _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty,
                                 row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
-                                num_stages, dtype, NB, P, PS)
+                                num_stages, dtype, NB, P, PS, producers)
             else:
                 # ---------------- consumer
                 if split:
-                    _store_q(Qs, qr, group, tx - 128, dtype, head_tile)
+                    _store_q(Qs, qr, group, tx - producers, dtype, head_tile)
                 else:
                     # Heads past the group are zero rows of Q, never stored.
                     for h, d in T.Parallel(head_tile, DIM):
@@ -584,7 +601,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages):
                                         m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if split:
-                    _store_partial(O, LSE, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
+                    _store_partial(O, LSE, Os, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
                 else:
                     _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
 

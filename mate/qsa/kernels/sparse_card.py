@@ -17,14 +17,17 @@ CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D: the geometry of warp_specialize
 def attention_smem(spec: dict, t: dict) -> int:
     """Shared memory of one CTA in bytes, as the program lays it out (the generated CUDA agrees, 16-byte
     alignment of the static buffers aside): Q and P tiles, the K/V ring, the max and sum reductions'
-    scratch (never merged: PASS_CONFIGS); static: the ring's token-valid flags, the decoded token
+    scratch (never merged: PASS_CONFIGS), the split kernel's [heads, DIM] FP32 output staging; static: the ring's token-valid flags, the decoded token
     lists (page and slot), two counts, a full and an empty mbarrier per stage."""
     ht, ns = t["head_tile"], t["num_stages"]
     smem = itemsize(spec["dtype"]) * (ht * DIM + 2 * ns * TILE * DIM + TILE * ht) + 2 * reduction_scratch(CONSUMER_THREADS, ht)
+    smem += 4 * ht * DIM if spec.get("split") else 0  # the split kernel's FP32 output staging (_store_partial)
     return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 2 * ns * 8
 
 
 def _attention_limits(spec, t):
+    if t["producers"] % WARPGROUP or (DECODE_TILES * TILE) % t["producers"]:
+        return f"producers {t['producers']} must be whole warpgroups dividing a chunk's {DECODE_TILES * TILE} token slots"
     if t["head_tile"] < MAX_GROUP or t["head_tile"] % 8:
         return f"head_tile {t['head_tile']} must be a multiple of 8 (wgmma N) holding a group of up to {MAX_GROUP} heads"
     if (smem := attention_smem(spec, t)) > SMEM_PER_CTA:
@@ -34,7 +37,9 @@ def _attention_limits(spec, t):
 
 ATTENTION = Stage(
     "qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention",
-    space=dict(head_tile=(MAX_GROUP,), num_stages=(1, 2, 3)),
+    # producers: threads that gather (one or two warpgroups before the consumer's): the H200 issues a
+    # CTA's cp.async faster from eight warps than from four (benchmarks/gather_probe.py)
+    space=dict(head_tile=(MAX_GROUP,), num_stages=(1, 2, 3), producers=(128, 256)),
     # wide: the grid has at least two CTAs per SM (a shallow ring lets two share one)
     keys=("dtype", "split", "wide"),
     limits=_attention_limits,
