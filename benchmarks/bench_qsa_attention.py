@@ -4,6 +4,10 @@ then the row's incomplete tail block, -1 where absent).
 
   python benchmarks/bench_qsa_attention.py [--batches 1 8 64 256] [--prefill-rows 4096] [--splits 1 2 4 8 16 32]
   python benchmarks/bench_qsa_attention.py --variants main=old_sparse.py new=- main_again=old_sparse.py
+  python benchmarks/bench_qsa_attention.py --batches 1 8 --prefill-rows 0 --no-cluster
+
+`--no-cluster` makes every split decode take the two launches (attention, then merge) instead of a
+cluster launch (mate.qsa.attention.cluster_splits): run it beside a plain run for the A/B.
 
 `--variants NAME=FILE ...` is the same-run A/B of attention and merge programs (FILE: another version of
 mate/qsa/kernels/sparse.py with the same program signatures, `-` the shipped one; mate.testing.program_variants):
@@ -32,13 +36,16 @@ checked against the reference first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from common import PEAK_BYTES, RESULTS, cold_graph_us, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
-from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem
+from mate.testing import (
+    SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem, without_cluster_launches,
+)
 
 HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
@@ -152,11 +159,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
     ap.add_argument("--profile", action="store_true", help="with --variants: one call each for ncu, no timing")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
+    ap.add_argument("--no-cluster", action="store_true", help="split decode in two launches only (the A/B of cluster launches)")
     args = ap.parse_args(argv)
-    if args.variants:
-        cases = compare(args)
-    else:
-        cases = [measure(name, p, rpr, args.splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
+    with without_cluster_launches() if args.no_cluster else contextlib.nullcontext():
+        if args.variants:
+            cases = compare(args)
+        else:
+            cases = [measure(name, p, rpr, args.splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
     result = dict(environment(), cases=cases, variants=args.variants)
     write_json(args.out, result)
     return result

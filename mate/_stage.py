@@ -48,6 +48,10 @@ class Stage:
     shapes: dict[str, list[dict]] = field(default_factory=dict)
     workload: str | None = None
     tol: float | None = None
+    # spec -> the compile-time program arguments that are not config keys, one dict per variant a call may
+    # compile with the entry's tiles (gqa_fwd's options, qsa_attention's cluster sizes): mate-precompile
+    # --options compiles them, the tests and the stress test run them
+    variants: Callable[[dict], list[dict]] = lambda spec: []
 
     @property
     def params(self) -> tuple[str, ...]:

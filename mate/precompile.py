@@ -8,9 +8,9 @@ there load on the GPU host from the same folder.
 
   mate-precompile [--target sm90] [--stages gqa_fwd ...] [--dtypes bfloat16 ...] [--options] [--jobs N]
 
---options also compiles the option variants of the selected entries (gqa_fwd's varlen, sinks and
-softcap, every combination: compile-time flags on the entry's tiles, which a call otherwise compiles
-at its first use).
+--options also compiles the compile-time variants of the selected entries, on each entry's tiles, which
+a call otherwise compiles at its first use: gqa_fwd's varlen, sinks and softcap (every combination),
+qsa_attention's split kernel as a cluster launch of 2 to 16 CTAs.
 
 The same enumeration of config entries and the same worker pool serve the CI
 compile check (tests/test_compile.py) and mate-tune's compile phase.
@@ -49,20 +49,15 @@ def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, s
     return out
 
 
-# Compile-time options of a stage's program that are not config keys: a variant takes its entry's tiles.
-OPTIONS = {"gqa_fwd": ("varlen", "sinks", "softcap")}
-
-
-def option_variants(stage: str) -> list[dict]:
-    """Every non-empty combination of the stage's options, as program arguments (none for most stages)."""
-    names = OPTIONS.get(stage, ())
-    return [{n: bool(mask >> i & 1) for i, n in enumerate(names)} for mask in range(1, 1 << len(names))]
-
-
 def variant_jobs(todo, target: str) -> list[tuple]:
-    """build_all jobs (stage, key, tiles, True) of the option variants of the entries in todo."""
-    return [(stage, key, {**_dispatch.tiles(stage, _dispatch.parse_key(key), target), **options}, True)
-            for stage, key in todo for options in option_variants(stage)]
+    """build_all jobs (stage, key, tiles, True) of the compile-time variants of the entries in todo (the
+    stage card's `variants`: gqa_fwd's options, qsa_attention's cluster sizes), each on its entry's tiles."""
+    jobs = []
+    for stage, key in todo:
+        spec = _dispatch.parse_key(key)
+        for options in _dispatch.STAGES[stage].variants(spec):
+            jobs.append((stage, key, {**_dispatch.tiles(stage, spec, target), **options}, True))
+    return jobs
 
 
 def build(stage: str, key: str, target: str, tiles: dict | None = None, full: bool = True) -> tuple[str | None, str | None]:
@@ -104,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="sm90", choices=sorted(_dispatch.TARGETS))
     ap.add_argument("--stages", nargs="*", help="only these stages (default: every stage of the config)")
     ap.add_argument("--dtypes", nargs="*", help="only entries of these dtypes, e.g. bfloat16 float16")
-    ap.add_argument("--options", action="store_true", help="also the option variants (gqa_fwd: varlen, sinks, softcap)")
+    ap.add_argument("--options", action="store_true", help="also the compile-time variants (gqa_fwd: varlen, sinks, softcap; qsa_attention: cluster sizes)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile processes (default: one per core)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -120,7 +115,8 @@ def main(argv=None) -> int:
     bar = tqdm(build_all(jobs, args.target, args.jobs), total=len(jobs), desc=f"compile {args.target}", unit="kernel")
     for (stage, key, tiles, _), (_, error) in bar:
         if error:
-            opts = "".join(f" +{n}" for n in OPTIONS.get(stage, ()) if tiles and tiles.get(n))
+            base = _dispatch.tiles(stage, _dispatch.parse_key(key), args.target) if tiles else {}
+            opts = "".join(f" +{n}={v}" for n, v in (tiles or {}).items() if n not in base)
             failed.append(f"{stage}[{key}]{opts}: {error}")
             bar.write(f"FAILED {failed[-1]}")
     cache = os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache")

@@ -554,6 +554,20 @@ def environment() -> dict:
 
 
 @contextlib.contextmanager
+def without_cluster_launches():
+    """QSA split decode in two launches (attention, then merge) only: the GPU probe answers that no cluster
+    fits (mate._hopper.whole_sm_clusters), so mate.qsa.attention.cluster_splits never picks one. For A/Bs."""
+    from mate import _hopper
+
+    probe = _hopper.whole_sm_clusters
+    _hopper.whole_sm_clusters = lambda index, cluster: 0
+    try:
+        yield
+    finally:
+        _hopper.whole_sm_clusters = probe
+
+
+@contextlib.contextmanager
 def using_tiles(target: str, stage: str, key: str, tiles: dict, base: dict | None = None):
     """Run the dispatcher with `tiles` as the entry of (stage, key), through a patched copy of `base`
     (default: the target's config as the dispatcher reads it).

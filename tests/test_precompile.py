@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mate import precompile
+from mate import _dispatch, precompile
 
 ENTRIES = precompile.entries("sm90")
 
@@ -72,7 +72,20 @@ def test_options_add_every_variant_on_the_entry_tiles(monkeypatch):
         opts = {n: tiles.pop(n) for n in ("varlen", "sinks", "softcap")}
         assert any(opts.values()) and full and tiles == _dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")
     assert {(j[0], j[1]) for j in seen if j[2] is None} >= {(s, k) for s, k in plain if s == "gqa_fwd"}
-    assert precompile.option_variants("qsa_merge") == []
+    assert _dispatch.STAGES["qsa_merge"].variants({"pdtype": "float32", "odtype": "bfloat16"}) == []
+
+
+def test_qsa_attention_variants_are_the_narrow_split_kernels_cluster_sizes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(precompile, "build_all", lambda jobs, target, workers: (seen.extend(jobs), [])[1])
+    assert precompile.main(["--stages", "qsa_attention", "--options"]) == 0
+    sizes = {}
+    for stage, key, tiles, _ in seen:
+        if tiles is not None:  # a variant: the entry's tiles and a cluster size
+            sizes.setdefault(key, []).append(tiles.pop("cluster"))
+            assert tiles == _dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")
+    assert set(sizes) == {k for s, k in ENTRIES if s == "qsa_attention" and "split=1,wide=0" in k}
+    assert all(v == list(range(2, 17)) for v in sizes.values())
 
 
 @pytest.mark.compile

@@ -619,3 +619,36 @@ def test_split_heuristic_fills_one_wave():
 
     assert [choose_splits(rows * 2, 33, 132) for rows in (1, 8, 64, 256, 4096)] == [16, 8, 1, 1, 1]
     assert choose_splits(1, 1, 132) == 1  # one tile is never split
+
+
+def test_cluster_launch_only_where_every_cluster_runs_at_once():
+    """cluster_splits on 33 tiles with the H200's co-resident whole-SM clusters (as its probe answered)."""
+    from mate.qsa.attention import cluster_splits, split_tiles
+
+    fits = [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7]  # clusters of 1..16 (test_qsa_attention_gpu)
+    h200 = lambda c: fits[c - 1] if 1 <= c <= 16 else 0  # noqa: E731
+    assert split_tiles(33, 16) == (3, 11) and split_tiles(33, 7) == (5, 7) and split_tiles(33, 6) == (6, 6)
+    # chosen (num_splits=None): rows 1 (2 clusters) keep 11 splits; rows 8 (16 clusters) drop from 7 to 6
+    # splits (5 -> 6 tiles a split: 15 clusters of 7 fit); rows 16 (32) would drop from 4 to 3 (9 -> 11 tiles)
+    assert [cluster_splits(n, 33, s, True, h200) for n, s in ((2, 11), (16, 7), (32, 4))] == [11, 6, 0]
+    assert cluster_splits(16, 33, 11, True, h200) == 0  # 11 splits -> 6 would cost 3 tiles a split
+    assert cluster_splits(66, 33, 2, True, h200) == 2 and cluster_splits(67, 33, 2, True, h200) == 0
+    # the caller's count: a cluster of exactly that many splits, or the two launches
+    assert cluster_splits(16, 33, 6, False, h200) == 6 and cluster_splits(16, 33, 7, False, h200) == 0
+    assert cluster_splits(2, 33, 17, False, h200) == 0  # more splits than a cluster holds
+    assert cluster_splits(2, 33, 1, True, h200) == 0  # nothing to merge
+    assert cluster_splits(2, 33, 11, True, lambda c: 0) == 0  # no cluster where the driver reports none
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cluster", [2, 16])
+def test_cluster_program_merges_through_distributed_shared_memory(cluster):
+    """The cluster variant lowers (no nvcc) to peer reads between two cluster barriers and writes no FP32 partials."""
+    from mate import _dispatch
+
+    spec = dict(dtype="bfloat16", split=1, wide=0)
+    src = _dispatch.lower_program("qsa_attention", spec, "sm90", {**_dispatch.tiles("qsa_attention", spec, "sm90"), "cluster": cluster})
+    body = src[src.index("main_kernel("):]
+    first, second = body.index("tl::cluster_sync()"), body.rindex("tl::cluster_sync()")
+    assert first < body.index("mate_ld_peer(") < second and body.count("mate_ld_peer(") == 2
+    assert "float* __restrict__ LSE" in src and "float* __restrict__ O," not in src  # O is the caller's dtype

@@ -231,3 +231,16 @@ def test_merge_native(pdtype, odtype, splits):
     ref_out, ref_lse = mate.merge_attention_states(po, pl, gate=gate, out_dtype=odtype, backend="reference")
     assert out.dtype == odtype
     assert_matches(out, lse, ref_out.float(), ref_lse, odtype)
+
+
+def test_cluster_probe_counts_co_resident_whole_sm_clusters():
+    """mate._hopper.whole_sm_clusters (what cluster_splits decides by): one-CTA clusters are the SMs, the
+    portable sizes (up to 8) all fit, and a larger cluster never fits more often than a smaller one."""
+    from mate import _hopper
+
+    counts = [_hopper.whole_sm_clusters(torch.cuda.current_device(), c) for c in range(1, _hopper.MAX_CLUSTER + 1)]
+    print("clusters of 1..16 whole-SM CTAs at once:", counts, _hopper.PROBE_ERROR or "")
+    assert _hopper.PROBE_ERROR is None, _hopper.PROBE_ERROR
+    assert counts[0] == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    assert all(n >= 1 for n in counts[:8]) and all(a >= b for a, b in zip(counts, counts[1:]))
+    assert _hopper.whole_sm_clusters(0, _hopper.MAX_CLUSTER + 1) == 0

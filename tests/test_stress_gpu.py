@@ -129,22 +129,27 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
 """
 
 
-# QSA's split decode (issue 16): the splits' attention launch, then the merge kernel's, at the serving shapes'
-# default split counts (rows 1: 11 splits, rows 8: 7); the result must not change over the launches.
+# QSA's split decode (issue 16) at the serving shapes' default split counts (rows 1: a cluster launch of 11
+# splits, rows 8: of 6), then every cluster size (rows 1, c tiles in c splits: a cluster launch where the GPU
+# holds two clusters of c whole-SM CTAs, as the H200 does up to 16) and the two launches (attention,
+# then merge: 17 splits of 2 tiles); the result must not change over the launches.
 QSA_DECODE_CHILD = HAMMER + """
 import mate
 from mate.testing import qsa_serving_problem
 gen = torch.Generator().manual_seed(0)
-for batch in (1, 8):
-    p = qsa_serving_problem(gen, batch, 1)[0]
-    first = mate.qsa_sparse_attention(**p)
-    hammer(f"qsa split decode rows {batch}", lambda: mate.qsa_sparse_attention(**p))
-    assert torch.equal(mate.qsa_sparse_attention(**p), first), f"rows {batch}: the result changed over the launches"
+cases = [(f"rows {b}", qsa_serving_problem(gen, b, 1)[0], None) for b in (1, 8)]
+one = qsa_serving_problem(gen, 1, 1)[0]
+cases += [(f"rows 1, {c} tiles in {c} splits", dict(one, token_indices=one["token_indices"][:, :64 * c]), c) for c in range(2, 17)]
+cases += [("rows 1, two launches of 17 splits", one, 17)]
+for name, p, splits in cases:
+    first = mate.qsa_sparse_attention(**p, num_splits=splits)
+    hammer(f"qsa split decode {name}", lambda: mate.qsa_sparse_attention(**p, num_splits=splits))
+    assert torch.equal(mate.qsa_sparse_attention(**p, num_splits=splits), first), f"{name}: the result changed over the launches"
 """
 
 
 def test_qsa_split_decode_finishes_back_to_back_launches():
-    _finish([QSA_DECODE_CHILD, str(LAUNCHES)], 2, "qsa split decode")
+    _finish([QSA_DECODE_CHILD, str(LAUNCHES)], 18, "qsa split decode")
 
 
 def test_gqa_option_variants_finish_back_to_back_launches():

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from mate import _checks as C
-from mate import _debug, _dispatch
+from mate import _debug, _dispatch, _hopper
 from mate.qsa import merge, reference
 from mate.qsa.kernels import sparse_card
 from mate.qsa.kernels.sparse_card import CANONICAL_GEOMETRY, MAX_GROUP
@@ -167,8 +167,9 @@ def qsa_sparse_attention(
     backend="tilelang" (default) runs the native sm90 kernels (mate/qsa/kernels/sparse.py) for
     BF16/FP16, D = 256, Hq / Hkv <= 16: padded query with padded K/V (num_splits 1), padded or
     flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
-    gate) by the native merge. num_splits=None picks the split count from the row count (see
-    choose_splits). Every native kernel is warp-specialized already (a cp.async producer
+    gate) in the attention launch, a thread-block cluster per (row, KV head), where every cluster fits
+    on the GPU at once, else by the native merge (see cluster_splits). num_splits=None picks the split
+    count from the row count (see choose_splits and cluster_splits). Every native kernel is warp-specialized already (a cp.async producer
     warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
     canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
     indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
@@ -490,6 +491,33 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
 
 
+def split_tiles(tiles: int, num_splits: int) -> tuple[int, int]:
+    """(tiles a split, splits) for at most num_splits splits of `tiles` key tiles: no split without a tile."""
+    per_split = -(-tiles // max(1, min(num_splits, tiles)))
+    return per_split, -(-tiles // per_split)
+
+
+def cluster_splits(rows_x_heads: int, tiles: int, splits: int, chosen: bool, whole_sm_clusters) -> int:
+    """The split count of a cluster launch (the splits of a (row, KV head) as one thread-block cluster that
+    merges its partials in the launch, mate.qsa.kernels.sparse), or 0 for the two launches (attention, merge).
+
+    A cluster launch is taken only where every cluster runs at once (`whole_sm_clusters(c)`: how many clusters
+    of c whole-SM CTAs the GPU holds): a second wave would cost a whole CTA's time. For a count the caller
+    chose (`chosen` False) that is all; choose_splits' count may instead drop to the most splits whose
+    clusters fit, if that costs each split at most one more tile: the in-launch merge saved more than a tile
+    (H200, cold graph: rows 8, 7 splits of 5 tiles 26.6 us in two launches, 6 splits of 6 tiles 24.8 us as a
+    cluster; clusters of 7 do not all fit there, 38.1 us. Rows 1, 11 splits: 16.1 against 15.8 us;
+    benchmarks/results/NVIDIA_H200-2026-12-02-qsa-cluster.md)."""
+    per_split = -(-tiles // splits)
+    for c in range(min(splits, _hopper.MAX_CLUSTER), 1, -1):
+        if rows_x_heads <= whole_sm_clusters(c):
+            c = split_tiles(tiles, c)[1]
+            return c if c > 1 and (c == splits or chosen and -(-tiles // c) <= per_split + 1) else 0
+        if not chosen:
+            break
+    return 0
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -547,9 +575,6 @@ def native(p: Problem):
     num_splits = p.num_splits
     if num_splits is None:
         num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
-    per_split = -(-tiles // max(1, min(num_splits, tiles)))
-    splits = -(-tiles // per_split)  # no split without a tile of the list
-    chunk = per_split * kernels.TILE
     result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0:
         return result
@@ -558,18 +583,24 @@ def native(p: Problem):
         if want_lse:
             r.lse_rows.fill_(float("-inf"))
         return result
+    per_split, splits = split_tiles(tiles, num_splits)
+    fits = functools.partial(_hopper.whole_sm_clusters, dev.index)
+    cluster = cluster_splits(rows * hkv, tiles, splits, p.num_splits is None, fits)
+    if cluster:
+        per_split, splits = split_tiles(tiles, cluster)
+    chunk = per_split * kernels.TILE
 
     # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
     # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
     wide = rows * hkv * splits >= 2 * sms
     spec = {"dtype": str(p.query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
-    attend = _dispatch.kernel(ATTENTION.name, spec, r.target)
+    attend = _dispatch.kernel(ATTENTION.name, spec, r.target, **({"cluster": cluster} if cluster else {}))
     opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
     g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, dev, flags)
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
-    if splits == 1:
+    if splits == 1 or cluster:
         attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)

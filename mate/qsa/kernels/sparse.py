@@ -79,6 +79,16 @@ every CTA) was measured slower on the H200: one row 31.0 us against 25.4 with
 the one-pass merge kernel, 8 rows 37.9 against 35.4 (cold graph, one device
 session; benchmarks/results/NVIDIA_H200-2026-12-01-qsa-twolaunch.md): its merge
 is serial work on the one SM that finishes last.
+
+`cluster` (split only; mate.qsa.attention.cluster_splits picks it): the `cluster` splits of a (row, KV
+head) are one thread-block cluster. Each CTA stages its normalized partial in shared memory (its LSE on
+the ring's token flags, dead by then: 64 bytes more would pass 227 KB at 3 stages), and after a cluster
+barrier every thread of the cluster merges one element at a time, reading the peers' partials through
+distributed shared memory (mapa + ld.shared::cluster); a second barrier keeps each CTA's shared memory
+alive until its peers have read it. No partials go to global memory and there is no merge launch; the
+merge is spread over all the cluster's threads, not one SM's (unlike the last-CTA merge above). H200,
+cold graph: rows 8, 6 splits as a cluster 24.8 us against 26.6 for the two launches at 6 or 7 splits;
+rows 1 (11 splits) 15.8 against 16.1 (benchmarks/results/NVIDIA_H200-2026-12-02-qsa-cluster.md).
 """
 
 import tilelang.language as T
@@ -92,6 +102,14 @@ from mate.qsa.kernels.sparse_card import CONSUMER_THREADS, DECODE_TILES, DIM, TI
 # the split kernel's and the merge's: an L2 prefetch (never faults, never waits)
 SPLIT_SOURCE = (
     '\n__device__ __forceinline__ void mate_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }\n'
+)
+
+# cluster merge: a peer CTA's shared-memory float (distributed shared memory), read after a cluster barrier
+CLUSTER_SOURCE = (
+    '\n__device__ __forceinline__ float mate_ld_peer(const float* p, int rank) {'
+    ' unsigned a = (unsigned)__cvta_generic_to_shared(p), r; float v;'
+    ' asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));'
+    ' asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r)); return v; }\n'
 )
 
 NEG_INF = -T.infinity("float32")
@@ -443,6 +461,33 @@ def _store_partial(O, LSE, Os, acc, m_cur, l_sum, inv, sp, row, h0, group, scale
 
 
 @T.macro
+def _stage_partial(Os, Ls, acc, m_cur, l_sum, inv, scale, head_tile):
+    """cluster: this share's partial output and LSE into shared memory, where the cluster's CTAs read them."""
+    _reciprocal(l_sum, inv, head_tile)
+    for d, h in T.Parallel(DIM, head_tile):
+        Os[h, d] = acc[d, h] * inv[h]
+    for h in T.Parallel(head_tile):
+        Ls[h] = lse_keys_as_m(m_cur, l_sum, h, scale)
+
+
+@T.macro
+def _cluster_merge(Os, Ls, O, LSE, G, GH, ls, ps, st, flags, row, h0, group, sp, tx, threads, cluster):
+    """cluster: the merged output, each element by one thread of the cluster (element (rank * threads + tx)):
+    the `cluster` shares' LSE and partial of its head and column, read from the peers' shared memory."""
+    for i in T.serial(T.ceildiv(group * DIM, cluster * threads)):
+        e = (i * cluster + sp) * threads + tx
+        if e < group * DIM:
+            for p in T.unroll(cluster):
+                ls[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Ls[e // DIM]), p)
+                ps[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Os[e // DIM, e % DIM]), p)
+            st[0] = NEG_INF
+            st[1] = 0
+            st[3] = 0
+            _merge_step(ls, ps, st, cluster, 1)
+            _merge_store(G, GH, O, LSE, st, flags, row, h0 + e // DIM, e % DIM, 1, True, e % DIM == 0)
+
+
+@T.macro
 def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, flags, head_tile):
     """No split: the output (gated when asked) in the caller's dtype, and the LSE when asked."""
     _reciprocal(l_sum, inv, head_tile)
@@ -458,8 +503,12 @@ def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, 
                 LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
-def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
+def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, cluster=0):
     # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
+    # cluster (split only): the grid's splits of a (row, KV head) are one thread-block cluster of `cluster`
+    # CTAs that merge their partials through distributed shared memory, with no partials in global memory
+    # and no merge launch; the output and LSE are the caller's, as without a split.
+    assert not cluster or split, "a cluster merges splits"
     threads = producers + CONSUMER_THREADS  # producer warpgroup(s), then the consumer warpgroup
     per_thread = DECODE_TILES * TILE // producers  # token slots a producer thread decodes per chunk
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
@@ -471,7 +520,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
     sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
     shr, shh, shd = T.dynamic("shr shh shd", "int64")
     sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE  # one import per program
-    if split:  # every split's FP32 partials, for `merge`
+    sources += CLUSTER_SOURCE if cluster else ""
+    if split and not cluster:  # every split's FP32 partials, for `merge`
         o_out = T.Tensor((SPL, RO, HO, DIM), "float32")
         lse_out = T.Tensor((SPL, RL, HL), "float32")
     else:
@@ -501,7 +551,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
         q_len: T.int32,
         chunk: T.int32,
     ):
-        with T.Kernel(R, HKV, SPL if split else 1, threads=threads) as (row, kvh, sp):
+        with (T.ClusterKernel(R, HKV, cluster, cluster_dims=(1, 1, cluster), threads=threads) if cluster
+              else T.Kernel(R, HKV, SPL if split else 1, threads=threads)) as (row, kvh, sp):
             T.import_source(sources)
             Qs = T.alloc_shared((head_tile, DIM), dtype)
             Ks = T.alloc_shared((num_stages, TILE, DIM), dtype)
@@ -510,9 +561,17 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
             if split:
                 # unpadded: at 3 stages a padded one (4-way bank conflicts gone) passes 227 KB by 824 B
                 Os = T.alloc_shared((head_tile, DIM), "float32")
+                if cluster:
+                    ls = T.alloc_local((cluster,), "float32")
+                    ps = T.alloc_local((cluster,), "float32")
+                    st = T.alloc_local((4,), "float32")
             valid = T.alloc_shared((num_stages, TILE), "int32", scope="shared")
             tok_page = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
             tok_slot = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
+            if cluster:
+                # on the ring's token flags, dead once both roles are past their loops: 64 B of its own would pass
+                # the 227 KB by 64 at 3 stages
+                Ls = T.view(valid, (num_stages * TILE,), "float32")
             tok = T.alloc_local((per_thread,), "int32")
             pg = T.alloc_local((per_thread,), "int32")
             qr = T.alloc_local((head_tile * DIM // 128,), dtype)  # split: the consumer's Q elements (_load_q)
@@ -539,7 +598,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
             T.assume(svp % 8 == 0)
             T.assume(svs % 8 == 0)
             T.assume(svh % 8 == 0)
-            if split:
+            if split and not cluster:
                 # the merge launch (programmatic dependent launch) may start once every CTA of this grid runs:
                 # its CTAs wait in griddepcontrol.wait for this grid's end, having been launched already
                 T.pdl_trigger()
@@ -600,10 +659,21 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers):
                         _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
                                         m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
-                if split:
+                if cluster:
+                    _stage_partial(Os, Ls, acc, m_cur, l_sum, alpha, scale, head_tile)
+                elif split:
                     _store_partial(O, LSE, Os, acc, m_cur, l_sum, alpha, sp, row, h0, group, scale, head_tile)
                 else:
                     _store_output(O, LSE, G, GH, acc, m_cur, l_sum, alpha, row, h0, group, scale, flags, head_tile)
+            if cluster:
+                # TileLang's barrier.cluster asm has no memory clobber: the compiler fences keep the staging
+                # stores before it and the peers' reads after it (the barrier orders them in hardware)
+                fence()
+                T.cluster_sync()  # every share staged (both roles of every CTA are past their loops)
+                fence()
+                _cluster_merge(Os, Ls, O, LSE, G, GH, ls, ps, st, flags, row, h0, group, sp, tx, threads, cluster)
+                fence()
+                T.cluster_sync()  # no CTA leaves while a peer still reads its shared memory
 
     return main
 

@@ -5,7 +5,7 @@ buffers and the resource model are computed from the same numbers.
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_GROUP, SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
+from mate._hopper import MAX_CLUSTER, MAX_GROUP, SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
 
 TILE = 64  # tokens per tile: wgmma's M per warpgroup
 DIM = 256
@@ -49,6 +49,8 @@ ATTENTION = Stage(
                 full=[dict(batch=256, context=32768, width=2051), dict(batch=128, context=16384, width=2051)]),
     workload="qsa_attention_workload",
     tol=1e-2,
+    # the split kernel as a cluster launch of each size (mate.qsa.attention.cluster_splits): the narrow grids only
+    variants=lambda spec: [{"cluster": c} for c in range(2, MAX_CLUSTER + 1)] if spec["split"] and not spec["wide"] else [],
 )
 
 MERGE = Stage(

@@ -8,6 +8,8 @@ the consumer warpgroups' registers.
 from mate._stage import Stage
 from mate._hopper import SMEM_PER_CTA, WARPGROUP, itemsize, warpgroups
 
+OPTIONS = ("varlen", "sinks", "softcap")  # gqa_fwd's compile-time options (mate.swa.kernels.gqa)
+
 WINDOWS = ("none", "causal", "local")  # the window classes, one specialization each
 NATIVE_DIMS = (64, 128)
 MAX_CONSUMERS = 3  # consumer warpgroups; with the producer's, 512 threads
@@ -55,4 +57,6 @@ STAGE = Stage(
                 full=[dict(seq=16384, heads=64, kv_heads=8), dict(seq=16384, heads=64, kv_heads=8, window=(512, 0))]),
     workload="gqa_fwd_workload",
     tol=1e-2,
+    # every combination of the options (issue 17), compile-time flags on the entry's tiles
+    variants=lambda spec: [{n: bool(m >> i & 1) for i, n in enumerate(OPTIONS)} for m in range(1, 1 << len(OPTIONS))],
 )
