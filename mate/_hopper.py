@@ -42,6 +42,9 @@ MAX_CLUSTER = 16  # CTAs of a thread-block cluster: 8 portable, up to 16 where t
 _PROBE_PTX = b".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry mate_cluster_probe() { ret; }\n\0"
 
 
+PROBE_ERROR = None  # why whole_sm_clusters last answered 0 without asking the driver
+
+
 class _DriverError(RuntimeError):
     pass
 
@@ -61,9 +64,6 @@ def whole_sm_clusters(index: int, cluster: int) -> int:
     except (OSError, _DriverError) as e:
         PROBE_ERROR = str(e)
         return 0
-
-
-PROBE_ERROR = None  # why whole_sm_clusters last answered 0 without asking the driver
 
 
 def _max_active_clusters(index: int, cluster: int) -> int:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from mate import _dispatch, precompile
+from mate.swa.kernels import gqa_card
 
 ENTRIES = precompile.entries("sm90")
 
@@ -69,7 +70,7 @@ def test_options_add_every_variant_on_the_entry_tiles(monkeypatch):
     gqa = [k for s, k in precompile.entries("sm90", ["gqa_fwd"], ["bfloat16"])]
     assert len(variants) == 7 * len(gqa) and all(s == "gqa_fwd" for s, *_ in variants)
     for stage, key, tiles, full in variants:
-        opts = {n: tiles.pop(n) for n in ("varlen", "sinks", "softcap")}
+        opts = {n: tiles.pop(n) for n in gqa_card.OPTIONS}
         assert any(opts.values()) and full and tiles == _dispatch.tiles(stage, _dispatch.parse_key(key), "sm90")
     assert {(j[0], j[1]) for j in seen if j[2] is None} >= {(s, k) for s, k in plain if s == "gqa_fwd"}
     assert _dispatch.STAGES["qsa_merge"].variants({"pdtype": "float32", "odtype": "bfloat16"}) == []

@@ -169,11 +169,11 @@ def qsa_sparse_attention(
     flattened query with paged K/V, and BF16 physical ids; SplitKV partials are merged (with the
     gate) in the attention launch, a thread-block cluster per (row, KV head), where every cluster fits
     on the GPU at once, else by the native merge (see cluster_splits). num_splits=None picks the split
-    count from the row count (see choose_splits and cluster_splits). Every native kernel is warp-specialized already (a cp.async producer
-    warpgroup and an MMA consumer warpgroup): warp_specialized=True is accepted for the
-    canonical 24/2/256 geometry and runs that same kernel. Padded query axes (and those of
-    indices, positions, gate and out) must collapse to zero-copy row views; K/V need a unit
-    feature stride and 16-byte aligned base and outer strides. No host synchronization: the
+    count from the row count (see choose_splits and cluster_splits). Every native kernel is
+    warp-specialized already (a cp.async producer warpgroup and an MMA consumer warpgroup):
+    warp_specialized=True is accepted for the canonical 24/2/256 geometry and runs that same
+    kernel. Padded query axes (and those of indices, positions, gate and out) must collapse to
+    zero-copy row views; K/V need a unit feature stride and 16-byte aligned base and outer strides. No host synchronization: the
     native path can be captured in a CUDA graph and replayed with new metadata values.
     """
     problem = resolve(**locals())  # first statement: locals() is exactly the parameters
@@ -511,8 +511,8 @@ def cluster_splits(rows_x_heads: int, tiles: int, splits: int, chosen: bool, who
     per_split = -(-tiles // splits)
     for c in range(min(splits, _hopper.MAX_CLUSTER), 1, -1):
         if rows_x_heads <= whole_sm_clusters(c):
-            c = split_tiles(tiles, c)[1]
-            return c if c > 1 and (c == splits or chosen and -(-tiles // c) <= per_split + 1) else 0
+            per, c = split_tiles(tiles, c)
+            return c if c > 1 and (c == splits or chosen and per <= per_split + 1) else 0
         if not chosen:
             break
     return 0

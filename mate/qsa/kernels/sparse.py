@@ -442,14 +442,20 @@ def _reciprocal(l_sum, inv, head_tile):
 
 
 @T.macro
+def _normalized_partial(Os, acc, l_sum, inv, head_tile):
+    """split: this share's output (acc / its softmax sum) into shared memory Os [heads, DIM]."""
+    _reciprocal(l_sum, inv, head_tile)
+    for d, h in T.Parallel(DIM, head_tile):
+        Os[h, d] = acc[d, h] * inv[h]
+
+
+@T.macro
 def _store_partial(O, LSE, Os, acc, m_cur, l_sum, inv, sp, row, h0, group, scale, head_tile):
     """split: this share's FP32 partial output and LSE, for `merge`. The output goes through shared memory Os
     [heads, DIM]: straight from the fragment, a thread's 32 values are 32 scalar stores 8 rows apart, which the
     H200 timeline put at 2.7 us of a one-row decode; from Os they are 8 coalesced 16-byte stores. (A view of the
     idle K ring would save the 16 KB, but TileLang 0.1.15 carries the ring's swizzle into a 32-bit view.)"""
-    _reciprocal(l_sum, inv, head_tile)
-    for d, h in T.Parallel(DIM, head_tile):
-        Os[h, d] = acc[d, h] * inv[h]
+    _normalized_partial(Os, acc, l_sum, inv, head_tile)
     T.sync_threads(CONSUMER_BARRIER, 128)
     fence()
     for h, d in T.Parallel(head_tile, DIM):
@@ -463,9 +469,7 @@ def _store_partial(O, LSE, Os, acc, m_cur, l_sum, inv, sp, row, h0, group, scale
 @T.macro
 def _stage_partial(Os, Ls, acc, m_cur, l_sum, inv, scale, head_tile):
     """cluster: this share's partial output and LSE into shared memory, where the cluster's CTAs read them."""
-    _reciprocal(l_sum, inv, head_tile)
-    for d, h in T.Parallel(DIM, head_tile):
-        Os[h, d] = acc[d, h] * inv[h]
+    _normalized_partial(Os, acc, l_sum, inv, head_tile)
     for h in T.Parallel(head_tile):
         Ls[h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
@@ -480,9 +484,7 @@ def _cluster_merge(Os, Ls, O, LSE, G, GH, ls, ps, st, flags, row, h0, group, sp,
             for p in T.unroll(cluster):
                 ls[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Ls[e // DIM]), p)
                 ps[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Os[e // DIM, e % DIM]), p)
-            st[0] = NEG_INF
-            st[1] = 0
-            st[3] = 0
+            _merge_start(st)
             _merge_step(ls, ps, st, cluster, 1)
             _merge_store(G, GH, O, LSE, st, flags, row, h0 + e // DIM, e % DIM, 1, True, e % DIM == 0)
 
@@ -683,6 +685,14 @@ MERGE_STEP = 16
 
 
 @T.macro
+def _merge_start(st):
+    """An empty merge state for _merge_step (one lane): max -inf, no weight, a zero accumulator."""
+    st[0] = NEG_INF
+    st[1] = 0
+    st[3] = 0
+
+
+@T.macro
 def _merge_step(ls, ps, st, step, lanes):
     """One step of the online merge: `step` splits' LSEs ls (-inf: no key, or past the split count) and
     partials ps (`lanes` elements a split) fold into st = [running max, sum of weights, the step's max,
@@ -723,9 +733,7 @@ def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse):
 def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last, S):
     """The merge kernel's output element (r, h, d) in one pass over the splits, MERGE_STEP a step: the step's
     LSE and partial loads go out together (predicated on the split count only), then _merge_step."""
-    st[0] = NEG_INF
-    st[1] = 0
-    st[3] = 0
+    _merge_start(st)
     for s0 in T.serial(T.ceildiv(S, MERGE_STEP)):
         for j in T.unroll(MERGE_STEP):
             sj = T.min(s0 * MERGE_STEP + j, S - 1)
