@@ -1,4 +1,4 @@
-"""Gather throughput of one CTA on Hopper: cp.async against per-row TMA (issue 16).
+"""Gather throughput of one CTA on Hopper: cp.async against per-row TMA and register loads (issue 16).
 
 The QSA split decode's producer takes 1.35 us to issue one 64-token tile of K and V (64 KB by cp.async,
 benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-s16x.md), i.e. about 48 KB/us per SM, while the
@@ -14,12 +14,15 @@ GEMMs of a tile on each stage and hands it back. Modes:
             it); one issuing thread a producer warp, 4 loads a row; a masked token would be an
             out-of-range coordinate, zero-filled by the TMA unit
     tma4    tma on 4-token blocks: one load a block and 128-byte piece (4 rows), a quarter of tma's loads
+    ld      16-byte loads into registers, then 16-byte shared stores (no async copy: what a gather does
+            without cp.async, e.g. a Triton program that loads a tile into registers)
 
 Printed: us per call (CUDA-graph replay, L2 flushed) for CTA counts and tiles per CTA, and the
 gathered bytes per us per CTA. H200 results and what they decided (eight producer warps for wide=0,
-no per-row TMA): benchmarks/results/NVIDIA_H200-2026-12-01-qsa-gather-probe.md.
+no per-row TMA): benchmarks/results/NVIDIA_H200-2026-12-01-qsa-gather-probe.md; `ld`:
+benchmarks/results/NVIDIA_H200-2026-12-02-qsa-ring-ldg.md.
 
-    python benchmarks/gather_probe.py [--modes cp cp4 tma tma4] [--ctas 22 66 132 264] [--tiles 1 3 8 33]
+    python benchmarks/gather_probe.py [--modes cp cp4 tma tma4 ld] [--ctas 22 66 132 264] [--tiles 1 3 8 33]
                                       [--stages 1 2 3] [--producers 128 256] [--pool-pages 8192]
 """
 
@@ -58,6 +61,8 @@ def gather_program(mode, stages, producers=128):
             full = T.alloc_barrier([2 * producers if mode.startswith("cp") else producers] * stages)
             empty = T.alloc_barrier([128] * stages)
             tx = T.get_thread_binding()
+            warps = producers // 32
+            regs = T.alloc_local((TILE // warps * 8,), dtype)  # ld: a producer thread's loads of a tile's K or V
             n_tiles = NTOK // TILE
             if tx < producers:
                 for it in T.serial(n_tiles):
@@ -75,6 +80,17 @@ def gather_program(mode, stages, producers=128):
                         for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
                             Vs[st, k, d] = V[pg[k], sl[k], 0, d]
                         T.cp_async_barrier_noinc(full[st])
+                    elif mode == "ld":
+                        # a warp a row at a time, 16 bytes a lane: every load of K (then of V) is in flight
+                        # before the first store
+                        for X, Xs in ((K, Ks), (V, Vs)):
+                            for i in T.unroll(TILE // warps):
+                                for e in T.vectorized(8):
+                                    regs[i * 8 + e] = X[pg[i * warps + tx // 32], sl[i * warps + tx // 32], 0, tx % 32 * 8 + e]
+                            for i in T.unroll(TILE // warps):
+                                for e in T.vectorized(8):
+                                    Xs[st, i * warps + tx // 32, tx % 32 * 8 + e] = regs[i * 8 + e]
+                        T.fence_proxy_async()  # generic-proxy stores, read by wgmma
                     elif mode == "tma4":
                         # a 4-token block is 4 consecutive slots of one page: one box of 4 rows x 128 bytes
                         for r in T.serial(TILE // (producers // 32) // 4):

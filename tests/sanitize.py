@@ -74,44 +74,60 @@ def nsa_backward(device, gen):
     return Problem(call, refresh)
 
 
-def qsa_prefill_chunks(device, gen):
-    """QSA's split=0 kernel over many tiles (its K and V rings on separate barriers, the next chunk's token ids
-    loaded ahead): 2051-token selections (33 tiles, 5 chunks) of 3 rows of one paged request, without and with
-    the block hint; tests/cases.py's QSA cases hold one tile a row."""
+def _qsa_paged_rows(device, gen, rows, width, hinted):
+    """QSA's split=0 kernel over many tiles: `rows` rows of one paged request, each selecting the last `width`
+    slots of a 2051-token selection, with the block hint (then width must be 2051) if `hinted`."""
     import torch
 
     import mate
     from cases import I32, Problem
     from mate.testing import qsa_serving_selection, tail_view
 
-    hq, hkv, D, ps, pages, rows = 24, 2, 256, 64, 40, 3
+    hq, hkv, D, ps, pages = 24, 2, 256, 64, 40
     query = tail_view(gen, (rows, hq, D), device=device)
     key = tail_view(gen, (pages, ps, hkv, D), device=device)
     value = tail_view(gen, (pages, ps, hkv, D), device=device)
     table = torch.zeros(1, pages, dtype=I32, device=device)
     pos = torch.arange(pages * ps - rows, pages * ps, dtype=I32)
-    tokens = torch.zeros(rows, 4 * 512 + 3, dtype=I32, device=device)
+    tokens = torch.zeros(rows, width, dtype=I32, device=device)
     blocks = torch.zeros(rows, 512, dtype=I32, device=device)
     cu = torch.tensor([0, rows], dtype=I32, device=device)
 
     def refresh():
         table.copy_(torch.randperm(pages, generator=gen).view(1, pages).to(I32))
         ti, bi = qsa_serving_selection(gen, pos)
-        tokens.copy_(ti)
+        tokens.copy_(ti[:, ti.shape[1] - width:])
         blocks.copy_(bi)
 
     def call(backend):
         kw = dict(cu_seqlens_q=cu, block_table=table, return_lse=True, num_splits=1, backend=backend)
-        hinted = {} if backend == "reference" else dict(block_indices=blocks)
-        return (*mate.qsa_sparse_attention(query, key, value, tokens, **kw),
-                *mate.qsa_sparse_attention(query, key, value, tokens, **kw, **hinted))
+        out = mate.qsa_sparse_attention(query, key, value, tokens, **kw)
+        if not hinted:
+            return out
+        extra = {} if backend == "reference" else dict(block_indices=blocks)
+        return (*out, *mate.qsa_sparse_attention(query, key, value, tokens, **kw, **extra))
 
     refresh()
     return Problem(call, refresh)
 
 
+def qsa_prefill_chunks(device, gen):
+    """QSA's split=0 kernel (one CTA an SM's deep ring) over 2051-token selections (33 tiles, 5 chunks) of 3
+    rows, without and with the block hint; tests/cases.py's QSA cases hold one tile a row."""
+    return _qsa_paged_rows(device, gen, 3, 4 * 512 + 3, True)
+
+
+def qsa_wide(device, gen):
+    """QSA's split=0 kernel for grids of two CTAs an SM (the `wide` entries: a one-stage K and V ring, which
+    qsa_prefill_chunks' three rows do not reach): a row an SM (two KV heads), 259-slot selections (5 tiles)."""
+    import torch
+
+    rows = torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
+    return _qsa_paged_rows(device, gen, rows, 259, False)
+
+
 # Cases of this script alone, beside tests/cases.py's.
-EXTRA_CASES = {"nsa_backward": nsa_backward, "qsa_prefill_chunks": qsa_prefill_chunks}
+EXTRA_CASES = {"nsa_backward": nsa_backward, "qsa_prefill_chunks": qsa_prefill_chunks, "qsa_wide": qsa_wide}
 
 
 def all_cases() -> dict:
