@@ -314,14 +314,18 @@ def test_key_splits_fill_the_gpu_within_the_band(monkeypatch, batch, window, wan
 
 
 @pytest.mark.compile
-def test_split_kv_program_gathers_by_cp_async_without_tma():
-    """The split-KV program lowers to zero-filling cp.async gathers of K and V and wgmma, no TMA, with only its own barriers."""
+def test_split_kv_program_gathers_by_tma_boxes_or_zero_filling_cp_async():
+    """The split-KV program lowers to TMA boxes of r rows x 64 columns (r = 64, 32, 16: one expect_tx size each)
+    beside a zero-filling cp.async gather of K and V, and wgmma, with only its own barriers."""
+    import re
+
     from mate import _dispatch
 
     spec = _dispatch.parse_key("dtype=bfloat16,dim=128,window=local")
     src = _dispatch.lower_program("gqa_decode", spec, "sm90")
-    assert src.count("cp_async_gs_conditional<16>") == 4 and "tma_load" not in src and "wgmma_rs" in src and "wgmma_ss" in src
-    # rows published; the prologue's page ids published; tile landed; stage released (the next tile's ids, loaded
-    # a tile ahead, written with it)
+    assert src.count("cp_async_gs_conditional<16>") == 4 and "wgmma_rs" in src and "wgmma_ss" in src
+    assert set(map(int, re.findall(r"expect_transaction\((\d+)\)", src))) == {r * 64 * 2 for r in (64, 32, 16)}
+    # mbarriers initialized; rows published; the prologue's page ids published; tile landed; stage released (the
+    # next tile's ids, loaded a tile ahead, written with it)
     in_flight = _dispatch.tiles("gqa_decode", spec, "sm90")["num_stages"] - 1
-    assert src.count("__syncthreads()") == 4 and src.count(f"cp_async_wait<{in_flight}>") == 1
+    assert src.count("__syncthreads()") == 5 and src.count(f"cp_async_wait<{in_flight}>") == 1

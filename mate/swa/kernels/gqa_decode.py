@@ -19,41 +19,54 @@ and output 0). With sinks, split 0 also writes slot `num_splits`: output 0 and L
 logit, so the merge adds the sink to the normaliser. Softcap (runtime, 0 = off) caps the scores
 before the mask, the host then passes scale_log2 = log2(e).
 
-Unused cache memory is never read: each key tile's page id (-1 for a key past the band's end, so
-past seq_lens_k, or on a page id outside [0, pages); the block_table index is clamped to its row)
-and slot within the page go to shared memory first, then its K and V rows arrive by cp.async,
-zero-filled where the id is -1. Masked keys are zeros in shared memory, so 0 * V is 0: NaN in
-unused pages or past seq_lens_k cannot reach an output. No TMA (a TMA box cannot skip the tail
-of a sequence's last page): all threads issue the copies, into a `num_stages`-deep ring with one
-cp.async group per tile (tile t + num_stages - 1 is in flight while tile t is computed), and
-wgmma reads the landed stage after a barrier and a proxy fence. The block_table entries of tile
-t + num_stages are loaded into registers before tile t is computed and placed (id and slot, one
-division per key) after it, in a ring of num_stages + 1 id slots: no tile's copies wait for a
-global load, and each 16-byte copy costs two shared loads and its address. Runtime divisions are
-truncating (every operand is non-negative); the per-row query index, head and position live in
-shared memory, computed once.
+Unused cache memory is never read: each key tile's page id (-1 for a key outside the band [lo, hi), so
+past seq_lens_k, or on a page id outside [0, pages); the block_table index is clamped to its row) and slot
+within the page go to shared memory first (in a ring of num_stages + 1 id slots, a tile ahead). Key tiles
+start at multiples of block_n (the first tile's keys before the band are masked like those past its end).
+A tile whose keys are all in the band and whose boxes each lie in one valid page goes by TMA: one box of
+block_n rows when one page holds the tile (page_size >= block_n), else block_n / r boxes of r = 64/32/16
+rows (page_size a multiple of r), each box r rows x 64 columns (the 128-byte swizzle span) of the 4-D
+tensor map (D, slot, KV head, page) with the cache's runtime strides. The CTA's elected thread
+(tl_shuffle_elect, lane 0 of warp 0) expects each box's bytes on the stage's mbarrier, issues the boxes
+and arrives once. Every other tile (the band's first and last, pages < 16 keys or not a multiple of 16,
+invalid ids) goes by cp.async from all threads, zero-filled where the id is -1, and the elected thread
+arrives without bytes, so every tile completes one phase of its stage's mbarrier (count 1). Masked keys
+are zeros in shared memory, so 0 * V is 0: NaN in unused pages or past seq_lens_k cannot reach an
+output. The ring is `num_stages` deep with one cp.async group per tile (empty for TMA tiles): tile
+t + num_stages - 1 is issued while tile t is computed; before computing tile t every thread waits for
+its cp.async groups (wait_group num_stages - 1), for phase t // num_stages of mbarrier t % num_stages
+(the TMA bytes), then a CTA barrier (everyone's cp.async) and a proxy fence; after P.V (wgmma waited) a
+CTA barrier releases the stage, which the next iteration refills. Runtime divisions are truncating
+(every operand is non-negative); the per-row query index, head and position live in shared memory.
 
-Speed (H200, benchmarks/results/NVIDIA_H200-2026-12-01-gqa_decode_ab.json; B 64 x 8192 keys, H 64 / 8,
-D 128, pages of 64 in random order): one warpgroup both copies and computes, so what counts is CTAs
-per SM, whose copies and math overlap. The first tiles (block_n 128, 3 stages: one CTA of 208 KB
-per SM) ran 1 row dense in 0.89 ms (2.4 TB/s, 56% of 4.3); the shipped D 128 tiles (block_n 64,
-2 stages: 83 KB, 155 registers, two CTAs per SM) 0.67 ms (3.2 TB/s, 74%), (4096, 0) 0.37 ms
-(2.9 TB/s), 4 rows 0.74 / 0.44 ms; block_n 32 x 3 stages (three CTAs) 0.69 ms, 32 x 4 (two) 0.82.
-Loading the block_table entries a tile ahead measured within 1% of loading them at the top of
-each tile, at the same tiles; cuDNN SDPA on the same keys laid out dense runs 0.48 ms (4.45 TB/s).
+Speed (H200, B 64 x 8192 keys, H 64 / 8, D 128, pages of 64 in random order; bytes = the K/V rows the
+query rows see, q, out and the table): one warpgroup both copies and computes, so what counts is CTAs per
+SM, whose copies and math overlap, and how a CTA's copies go out. Per-row cp.async (every tile, the
+kernel before TMA) moved about 25 KB/us per SM: 1 row dense 0.684 ms (3.14 TB/s), (4096, 0) 0.382 ms
+(2.82), 4 rows 0.790 / 0.488 ms. With the TMA boxes, at the same tiles (block_n 64, 2 stages: two CTAs of
+84 KB per SM) and in the same run: 0.567 ms (3.79 TB/s, 88% of 4.3), 0.324 ms (3.32 TB/s, 77%), 4 rows
+0.680 / 0.434 ms; block_n 32 x 4 or 5 stages (two CTAs) 0.77-0.78 ms. cuDNN SDPA on the same keys
+laid out dense: 0.471 ms (4.56 TB/s), (4096, 0) 0.241 ms (benchmarks/results/
+NVIDIA_H200-2026-12-02-gqa_decode_tma.md). Earlier tiles (cp.async; -2026-12-01-gqa_decode_ab.json):
+block_n 128 x 3 stages (one CTA of 208 KB per SM) 0.89 ms; loading the block_table entries a tile
+ahead measured within 1% of loading them at the top of each tile.
 """
 
 import tilelang.language as T
 
 from mate.swa.kernels.gqa import LN2, NEG_INF, online_softmax
 
-# No TMA and no warp specialization (all threads issue cp.async); the loads and stores are guarded by hand, and
-# so are the barriers: TileLang's planner put one before every 16-byte copy of the ring (it cannot tell the
-# swizzled stores apart), the program's own sit where shared memory changes hands (see the loop).
-PASS_CONFIGS = (("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True), ("tl.disable_safe_memory_legalize", True),
+# TileLang lowers the T.tma_copy's (TMA lowering stays on); no warp specialization (one warpgroup issues the
+# copies and computes); the loads and stores are guarded by hand, and so are the barriers (see the loop).
+PASS_CONFIGS = (("tl.disable_warp_specialized", True), ("tl.disable_safe_memory_legalize", True),
                 ("tl.disable_thread_storage_sync", True))
 # TileLang's annotation for cp.async loops whose commit and wait the program issues itself.
 NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"
+
+def box_rows(block_n):
+    """The TMA box heights a tile may go in, largest first: the whole tile (one page holds it), then whole
+    sub-tiles of 64, 32 or 16 rows (page_size a multiple of it: each sub-tile lies in one page)."""
+    return [block_n] + [r for r in (64, 32, 16) if r < block_n and block_n % r == 0]
 
 
 @T.macro
@@ -74,22 +87,63 @@ def _fetch(next_page, BT, K, b, k0, block_n):
 
 
 @T.macro
-def _place(pg, sl, next_page, K, slot, k0, hi, block_n):
-    """Tile keys k0 .. k0 + block_n in id slot `slot`: page id (-1: masked, never read: past the band's end, so
-    past seq_lens_k, or an id outside [0, pages)) and slot within the page, computed once per key."""
+def _place(pg, sl, next_page, K, slot, k0, lo, hi, block_n):
+    """Tile keys k0 .. k0 + block_n in id slot `slot`: page id (-1: masked, never read: outside the band [lo, hi),
+    so past seq_lens_k or before the window of every row, or an id outside [0, pages)) and slot within the page,
+    computed once per key."""
     for j in T.Parallel(block_n):
-        pg[slot, j] = T.if_then_else((k0 + j < hi) & (next_page[j] >= 0) & (next_page[j] < K.shape[0]), next_page[j], -1)
+        pg[slot, j] = T.if_then_else((k0 + j >= lo) & (k0 + j < hi) & (next_page[j] >= 0) & (next_page[j] < K.shape[0]),
+                                     next_page[j], -1)
         sl[slot, j] = T.truncmod(k0 + j, K.shape[1])
 
 
+def _pages_valid(pg, slot, r, block_n):
+    """Every box of r rows of the tile in id slot `slot` has a valid page (its first key's id is >= 0)."""
+    ok = pg[slot, 0] >= 0
+    for q in range(1, block_n // r):
+        ok = ok & (pg[slot, q * r] >= 0)
+    return ok
+
+
+def _mode(pg, K, slot, k0, lo, hi, block_n):
+    """How the tile in id slot `slot` travels (the same in every thread: scalars and shared ids): r > 0, by TMA in
+    boxes of r rows (every key in the band, each box in one valid page); 0, by cp.async (zero-filled where masked).
+    Tiles start at multiples of block_n, so a box of r rows (r | block_n) starts at a multiple of r."""
+    ps = K.shape[1]
+    band = (k0 >= lo) & (k0 + block_n <= hi)
+    mode = 0
+    for r in reversed(box_rows(block_n)[1:]):  # built inside out: the largest box that fits wins
+        mode = T.if_then_else((T.truncmod(ps, r) == 0) & _pages_valid(pg, slot, r, block_n), r, mode)
+    one_page = (T.truncdiv(k0, ps) == T.truncdiv(k0 + block_n - 1, ps)) & (pg[slot, 0] >= 0)
+    return T.if_then_else(band, T.if_then_else(one_page, block_n, mode), 0)
+
+
 @T.macro
-def _issue(K, V, K_s, V_s, pg, sl, st, slot, kvh, block_n, dim):
-    """K and V rows of the tile in id slot `slot` into ring stage st by cp.async (zero-filled where masked), one
-    group the caller commits."""
-    for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        K_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, K[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
-    for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
-        V_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, V[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
+def _issue(K, V, K_s, V_s, pg, sl, bars, mode, st, slot, kvh, block_n, dim, threads):
+    """The K and V rows of the tile in id slot `slot` into ring stage st. TMA (mode r > 0): the elected thread
+    expects each box's bytes on the stage's mbarrier, issues the boxes, then arrives (once). cp.async (mode 0):
+    every thread copies, zero-filled where masked (one group the caller commits), and the elected thread arrives
+    on the mbarrier without bytes, so every tile completes one phase of its stage's mbarrier."""
+    # Boxes of r rows x 64 columns (128 bytes, the swizzle span: a box is one contiguous run of the swizzled stage).
+    panels = [(c, min(c + 64, dim)) for c in range(0, dim, 64)]
+    for r in box_rows(block_n):
+        if mode == r:
+            for q in range(block_n // r):
+                for c0, c1 in panels:
+                    T.tma_copy(K[pg[slot, q * r], sl[slot, q * r] : sl[slot, q * r] + r, kvh, c0:c1], K_s[st, q * r : q * r + r, c0:c1],
+                               barrier=bars[st])
+                for c0, c1 in panels:
+                    T.tma_copy(V[pg[slot, q * r], sl[slot, q * r] : sl[slot, q * r] + r, kvh, c0:c1], V_s[st, q * r : q * r + r, c0:c1],
+                               barrier=bars[st])
+    # One arrival a tile, by the thread that expected the bytes (tma_copy's leader: tl_shuffle_elect<threads>, lane 0
+    # of warp 0), after its expect_tx's in program order, so the phase cannot complete before all bytes are counted.
+    if T.shuffle_elect(threads):
+        T.barrier_arrive(bars[st])
+    if mode == 0:
+        for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+            K_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, K[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
+        for j, d in T.Parallel(block_n, dim, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
+            V_s[st, j, d] = T.if_then_else(pg[slot, j] >= 0, V[T.max(pg[slot, j], 0), sl[slot, j], kvh, d], T.cast(0, K.dtype))
 
 
 @T.macro
@@ -191,6 +245,10 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
             hi = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
+            k_lo = T.alloc_var("int32")
+            mode = T.alloc_var("int32")
+            # Per ring stage: the tile landed (one arrival by the elected thread, plus the TMA bytes of a TMA tile).
+            bars = T.alloc_barrier([1] * num_stages)
             b = T.truncdiv(bz, num_splits)
             split = T.truncmod(bz, num_splits)
             group = T.truncdiv(H, Hkv)
@@ -202,11 +260,15 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
             lo = 0
             if has_left:
                 lo = T.max(T.truncdiv(bx * block_m, group) + sk - sq - left, 0)
+            # Tiles start at multiples of block_n (so a tile of a page of >= block_n keys is one TMA box); the keys of
+            # the first tile before the band's start are masked like those past its end.
+            k_lo = lo
+            lo = T.truncdiv(lo, block_n) * block_n
             hi = sk
             if has_right:
                 hi = T.min(T.min(T.truncdiv(bx * block_m + block_m - 1, group), sq - 1) + sk - sq + right + 1, sk)
             n = 0
-            if (T.truncdiv(bx * block_m, group) < sq) & (hi > lo):
+            if (T.truncdiv(bx * block_m, group) < sq) & (hi > k_lo):
                 n = T.ceildiv(hi - lo, block_n)
             t0 = split * T.ceildiv(n, num_splits)
             n = T.max(T.min(T.ceildiv(n, num_splits), n - t0), 0)
@@ -224,20 +286,24 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
             for s in T.serial(num_stages):
                 if s < n:
                     _fetch(next_page, BT, K, b, lo + (t0 + s) * block_n, block_n)
-                    _place(pg, sl, next_page, K, s, lo + (t0 + s) * block_n, hi, block_n)
+                    _place(pg, sl, next_page, K, s, lo + (t0 + s) * block_n, k_lo, hi, block_n)
             T.sync_threads()
             for s in T.serial(num_stages - 1):
                 if s < n:
-                    _issue(K, V, K_s, V_s, pg, sl, s, s, kvh, block_n, dim)
+                    mode = _mode(pg, K, s, lo + (t0 + s) * block_n, k_lo, hi, block_n)
+                    _issue(K, V, K_s, V_s, pg, sl, bars, mode, s, s, kvh, block_n, dim, threads)
                 T.ptx_commit_group()
             for t in T.serial(n):
                 if t + num_stages < n:
                     _fetch(next_page, BT, K, b, lo + (t0 + t + num_stages) * block_n, block_n)
                 if t + num_stages - 1 < n:
-                    _issue(K, V, K_s, V_s, pg, sl, (t + num_stages - 1) % num_stages, (t + num_stages - 1) % ids, kvh, block_n, dim)
+                    mode = _mode(pg, K, (t + num_stages - 1) % ids, lo + (t0 + t + num_stages - 1) * block_n, k_lo, hi, block_n)
+                    _issue(K, V, K_s, V_s, pg, sl, bars, mode, (t + num_stages - 1) % num_stages, (t + num_stages - 1) % ids, kvh,
+                           block_n, dim, threads)
                 T.ptx_commit_group()
-                T.ptx_wait_group(num_stages - 1)  # this thread's copies of tile t have landed
-                T.sync_threads()  # everyone's
+                T.ptx_wait_group(num_stages - 1)  # this thread's cp.async copies of tile t (if any) have landed
+                T.mbarrier_wait_parity(bars[t % num_stages], T.truncmod(T.truncdiv(t, num_stages), 2))  # its TMA bytes
+                T.sync_threads()  # everyone's cp.async copies
                 T.fence_proxy_async()  # cp.async writes, read by wgmma (the async proxy)
                 T.gemm(Q_s, K_s[t % num_stages, :, :], acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if softcap_value > 0:
@@ -250,7 +316,7 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
                     acc_o[i, d] *= alpha[i]
                 T.gemm(acc_p, V_s[t % num_stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                 if t + num_stages < n:  # the slot of tile t - 1, read by no one since the last barrier
-                    _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, hi, block_n)
+                    _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, k_lo, hi, block_n)
                 T.sync_threads()  # stage t % num_stages is refilled, and these ids read, in the next iteration
             _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim)
 

@@ -1,8 +1,8 @@
 """Stage card of GQA split-KV attention over a paged cache (mate.swa.kernels.gqa_decode).
 
 Importable without TileLang. The resource model follows the program's buffers: the packed
-query tile, the K and V rings (cp.async, `num_stages` deep), the key tiles' page ids and slots
-and the rows' metadata in shared memory; S, P and O in the registers of one warpgroup per 64
+query tile, the K and V rings (`num_stages` deep, filled by TMA boxes or cp.async), the key tiles' page ids
+and slots and the rows' metadata in shared memory; S, P and O in the registers of one warpgroup per 64
 packed rows.
 """
 
