@@ -21,8 +21,10 @@ from common import RESULTS, environment, rel_err, write_json
 import mate
 from mate.testing import program_variants
 
-# QSA's (24 heads, D 256) at the decode split counts and the public-merge shapes; GQA decode's (64 heads, D 128)
-CASES = [(11, 1, 24, 256), (7, 8, 24, 256), (4, 256, 24, 256), (8, 64, 24, 256), (16, 8, 64, 128), (4, 64, 64, 128)]
+# QSA's (24 heads, D 256) at the decode split counts and the public-merge shapes;
+# GQA decode's (64 heads, D 128; B 64 x 1 and 4 rows at 3 splits: bench_gqa --decode's)
+CASES = [(11, 1, 24, 256), (7, 8, 24, 256), (4, 256, 24, 256), (8, 64, 24, 256), (16, 8, 64, 128), (4, 64, 64, 128),
+         (3, 64, 64, 128), (3, 256, 64, 128)]
 
 
 def main(argv=None) -> dict:

@@ -768,6 +768,9 @@ def merge(pdtype, odtype, threads):
     ):
         with T.Kernel(R * H, threads=threads) as bx:
             T.import_source(SPLIT_SOURCE)
+            # registers for four CTAs an SM at 256 threads (79 -> 64, no spills; five spill): H200, 2-13% faster
+            # merges (benchmarks/results/NVIDIA_H200-2026-12-02-gqa_decode_tma.md)
+            T.annotate_min_blocks_per_sm(4)
             r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
             h = T.alloc_var("int32")
             r = bx // H
