@@ -61,7 +61,7 @@ def gather_program(mode, stages, producers=128):
             full = T.alloc_barrier([2 * producers if mode.startswith("cp") else producers] * stages)
             empty = T.alloc_barrier([128] * stages)
             tx = T.get_thread_binding()
-            warps = producers // 32
+            warps = producers // 32  # a producer warp's rows of a tile: TILE // warps
             regs = T.alloc_local((TILE // warps * 8,), dtype)  # ld: a producer thread's loads of a tile's K or V
             n_tiles = NTOK // TILE
             if tx < producers:
@@ -93,8 +93,8 @@ def gather_program(mode, stages, producers=128):
                         T.fence_proxy_async()  # generic-proxy stores, read by wgmma
                     elif mode == "tma4":
                         # a 4-token block is 4 consecutive slots of one page: one box of 4 rows x 128 bytes
-                        for r in T.serial(TILE // (producers // 32) // 4):
-                            k = (tx // 32) * (TILE // (producers // 32)) + 4 * r
+                        for r in T.serial(TILE // warps // 4):
+                            k = (tx // 32) * (TILE // warps) + 4 * r
                             for c in T.unroll(DIM // 64):
                                 T.tma_copy(K[pg[k], sl[k]:sl[k] + 4, 0, c * 64:(c + 1) * 64], Ks[st, k:k + 4, c * 64:(c + 1) * 64],
                                            barrier=full[st], leader_scope_threads=32)
@@ -102,8 +102,8 @@ def gather_program(mode, stages, producers=128):
                                 T.tma_copy(V[pg[k], sl[k]:sl[k] + 4, 0, c * 64:(c + 1) * 64], Vs[st, k:k + 4, c * 64:(c + 1) * 64],
                                            barrier=full[st], leader_scope_threads=32)
                     else:
-                        for r in T.serial(TILE // (producers // 32)):
-                            k = (tx // 32) * (TILE // (producers // 32)) + r
+                        for r in T.serial(TILE // warps):
+                            k = (tx // 32) * (TILE // warps) + r
                             for c in T.unroll(DIM // 64):
                                 T.tma_copy(K[pg[k], sl[k], 0, c * 64:(c + 1) * 64], Ks[st, k, c * 64:(c + 1) * 64],
                                            barrier=full[st], leader_scope_threads=32)

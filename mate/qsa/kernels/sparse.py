@@ -768,8 +768,8 @@ def merge(pdtype, odtype, threads):
     ):
         with T.Kernel(R * H, threads=threads) as bx:
             T.import_source(SPLIT_SOURCE)
-            # registers for four CTAs an SM at 256 threads (79 -> 64, no spills; five spill): H200, 2-13% faster
-            # merges (benchmarks/results/NVIDIA_H200-2026-12-02-gqa_decode_tma.md)
+            # four CTAs an SM at 256 threads: 64 registers instead of 79, no spills (at five CTAs it spills);
+            # H200: 0-13% faster merges (benchmarks/results/NVIDIA_H200-2026-12-02-gqa_decode_tma.md)
             T.annotate_min_blocks_per_sm(4)
             r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
             h = T.alloc_var("int32")

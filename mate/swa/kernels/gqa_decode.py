@@ -179,7 +179,8 @@ def _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_
 
 @T.macro
 def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh):
-    """The wrapper checks the layout rule (16-byte aligned strides): 16-byte cp.async."""
+    """The wrapper checks the layout rule (16-byte aligned strides), which 16-byte cp.async and the TMA tensor
+    maps (strides in multiples of 16 bytes) both need."""
     T.assume(sqr % 8 == 0)
     T.assume(sqh % 8 == 0)
     T.assume(skp % 8 == 0)
