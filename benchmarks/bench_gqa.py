@@ -24,7 +24,7 @@ against the padded [16, 1024] call, cuDNN SDPA on the padded batch and FlexAtten
 document mask on the packed one. FlashAttention-3 (the fa3-fwd wheel) cannot travel to the GPU
 beside TileLang's bundle, so it is not in these runs.
 
---decode times issue 17's decode instead (D 128, BF16, H 64/8): 64 sequences of 1 or 4 query rows
+--decode times issue 17's decode instead (BF16, H 64/8, D of --dims): 64 sequences of --rows query rows (1, 4, 8)
 against 8192 keys each in a paged cache (pages of 16 and 64 in random order), dense causal and window
 (4096, 0), in TB/s of the K/V rows read (bytes counted exactly, see the JSON); beside it, in the same
 run, mate's padded call on the same keys and torch SDPA (cuDNN, else FlashAttention) on the dense
@@ -46,7 +46,7 @@ import torch
 from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
-from mate.testing import gqa_config_key, shipped_tiles, using_tiles
+from mate.testing import compile_kernels, gqa_config_key, shipped_tiles, using_tiles
 
 B, H, HKV = 1, 64, 8
 WINDOWS = [(512, 0), (1024, 0), (4096, 0), (8192, 0), (-1, 0)]
@@ -238,9 +238,9 @@ def first_sdpa(qt, kt, vt):
 def decode(args) -> dict:
     """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
     dev = torch.device("cuda")
-    nd, ctx, D = 64, 8192, 128
+    nd, ctx = 64, 8192
     meta = {**environment(), "timing": "CUDA-Graph replay of back-to-back calls, median per call",
-            "shape": {"B": nd, "context": ctx, "H": H, "H_kv": HKV, "D": D, "dtype": "bfloat16"},
+            "shape": {"B": nd, "context": ctx, "H": H, "H_kv": HKV, "D": args.dims, "rows": args.rows, "dtype": "bfloat16"},
             "bytes": "K and V rows each sequence's query rows see (B * H_kv * visible * D * 2 B * 2), plus q, out, "
                      "block_table and seq_lens_k; mate's FP32 split partials (written, then read by the merge) are not counted",
             "rows": []}
@@ -248,16 +248,16 @@ def decode(args) -> dict:
 
     lens = torch.full((nd,), ctx, dtype=torch.int32, device=dev)
     if args.tiles:  # compile the other tiles in parallel first (one after another at first use: minutes)
-        keys = {gqa_config_key(torch.bfloat16, D, w) for w in [(-1, 0), (4096, 0)]}
+        keys = {gqa_config_key(torch.bfloat16, D, w) for w in [(-1, 0), (4096, 0)] for D in args.dims}
         jobs = [("gqa_decode", key, tiles, True) for key in keys for tiles in args.tiles]
         for job, (_, error) in compile_kernels(jobs, 16):
             assert error is None, (job, error)
-    for ps in (16, 64):
+    for D, ps in ((D, ps) for D in args.dims for ps in (16, 64)):
         pages = nd * ctx // ps
         kc, vc = rnd(pages, ps, HKV, D), rnd(pages, ps, HKV, D)
         table = torch.randperm(pages, device=dev).int().view(nd, ctx // ps)  # pages in random order
         kd, vd = (x[table.long()].view(nd, ctx, HKV, D) for x in (kc, vc))  # the same keys, dense
-        for sq in (1, 4):
+        for sq in args.rows:
             q = rnd(nd, sq, H, D)
             out = torch.empty_like(q)
             for window in [(-1, 0), (4096, 0)]:
@@ -272,7 +272,7 @@ def decode(args) -> dict:
                         alt_ms = timed_ms(lambda: mate.gqa_attention(q, kc, vc, out=out, **kw))
                     alt.append(dict(tiles=tiles, ms=alt_ms, TB_s=nbytes / alt_ms / 1e9))
                 ref = mate.gqa_attention(q[:8], kc, vc, **{**kw, "block_table": table[:8], "seq_lens_k": lens[:8]}, backend="reference")
-                row = dict(case=f"paged decode {nd} x {sq} rows x {ctx} keys, page {ps}", window=list(window), ms=ms,
+                row = dict(case=f"paged decode {nd} x {sq} rows x {ctx} keys, page {ps}, D {D}", window=list(window), ms=ms,
                            bytes=nbytes, TB_s=nbytes / ms / 1e9, of_peak_bandwidth=nbytes / ms / 1e-3 / PEAK_BYTES,
                            tflops=4.0 * nd * H * D * seen / ms / 1e9, err_vs_reference=rel_err(out[:8], ref),
                            tiles=shipped_tiles("sm90", "gqa_decode", gqa_config_key(torch.bfloat16, D, window)), other_tiles=alt)
@@ -304,6 +304,7 @@ def main(argv=None):
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--options", action="store_true", help="time issue 17's options (varlen, sinks, softcap) instead")
     ap.add_argument("--decode", action="store_true", help="time issue 17's paged decode instead")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="--decode: query rows a sequence")
     ap.add_argument("--tiles", type=str, action="append", default=[],
                     help="--decode: also time these gqa_decode tiles on the one-row steps, block_m,block_n,threads,num_stages (repeatable)")
     ap.add_argument("--out", type=str, default=None, help="default benchmarks/results/gqa_h200.json (--options: gqa_options_h200.json)")

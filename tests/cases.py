@@ -271,24 +271,30 @@ def gqa_paged_decode(device, gen):
 # ---------------------------------------------------------------- QSA sparse attention and SplitKV merge
 
 
-def merge_states(device, gen):
-    splits, rows, heads, D = 3, 29, 4, 128
-    po = tail_view(gen, (splits, rows, heads, D), device=device, pad_rows=1)
-    pl = torch.zeros(splits, rows, heads, device=device)
-    gate = randn(gen, rows, heads, device=device, dtype=torch.float32)
+def merge_states(rows, D):
+    """3 splits of `rows` rows x 4 heads: up to the kernel's MERGE_CTAS (1,024) pairs one (row, head) pair a CTA,
+    past that several a CTA in four-element chunks, which D = 66 ends mid-chunk."""
 
-    def refresh():
-        lse = torch.randn(splits, rows, heads, generator=gen) * 4
-        lse[torch.rand(splits, rows, heads, generator=gen) < 0.3] = float("-inf")
-        lse[:, 1] = float("-inf")  # a row with every split empty
-        pl.copy_(lse)
-        po.copy_(randn(gen, *po.shape, device=device).masked_fill(torch.isinf(pl).unsqueeze(-1), float("nan")))
+    def make(device, gen):
+        splits, heads = 3, 4
+        po = tail_view(gen, (splits, rows, heads, D), device=device, pad_rows=1)
+        pl = torch.zeros(splits, rows, heads, device=device)
+        gate = randn(gen, rows, heads, device=device, dtype=torch.float32)
 
-    def call(backend):
-        return mate.merge_attention_states(po, pl, gate=gate, backend=backend)
+        def refresh():
+            lse = torch.randn(splits, rows, heads, generator=gen) * 4
+            lse[torch.rand(splits, rows, heads, generator=gen) < 0.3] = float("-inf")
+            lse[:, 1] = float("-inf")  # a row with every split empty
+            pl.copy_(lse)
+            po.copy_(randn(gen, *po.shape, device=device).masked_fill(torch.isinf(pl).unsqueeze(-1), float("nan")))
 
-    refresh()
-    return Problem(call, refresh)
+        def call(backend):
+            return mate.merge_attention_states(po, pl, gate=gate, backend=backend)
+
+        refresh()
+        return Problem(call, refresh)
+
+    return make
 
 
 def qsa_paged(device, gen):
@@ -394,7 +400,8 @@ CASES = {
     "gqa_launcher": gqa_launcher,
     "gqa_varlen_sinks_softcap": gqa_varlen((20, 0), 64),
     "gqa_paged_decode": gqa_paged_decode,
-    "merge_states": merge_states,
+    "merge_states": merge_states(29, 128),
+    "merge_states_wide": merge_states(300, 66),
     "qsa_paged": qsa_paged,
     "qsa_split": qsa_split,
     "qsa_padded": qsa_padded,

@@ -484,9 +484,9 @@ def _cluster_merge(Os, Ls, O, LSE, G, GH, ls, ps, st, flags, row, h0, group, sp,
             for p in T.unroll(cluster):
                 ls[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Ls[e // DIM]), p)
                 ps[p] = T.call_extern("float32", "mate_ld_peer", T.address_of(Os[e // DIM, e % DIM]), p)
-            _merge_start(st)
+            _merge_start(st, 1)
             _merge_step(ls, ps, st, cluster, 1)
-            _merge_store(G, GH, O, LSE, st, flags, row, h0 + e // DIM, e % DIM, 1, True, e % DIM == 0)
+            _merge_store(G, GH, O, LSE, st, flags, row, h0 + e // DIM, e % DIM, 1, True, e % DIM == 0, DIM)
 
 
 @T.macro
@@ -685,11 +685,12 @@ MERGE_STEP = 16
 
 
 @T.macro
-def _merge_start(st):
-    """An empty merge state for _merge_step (one lane): max -inf, no weight, a zero accumulator."""
+def _merge_start(st, lanes):
+    """An empty merge state for _merge_step: max -inf, no weight, `lanes` zero accumulators."""
     st[0] = NEG_INF
     st[1] = 0
-    st[3] = 0
+    for v in T.unroll(lanes):
+        st[3 + v] = 0
 
 
 @T.macro
@@ -715,13 +716,13 @@ def _merge_step(ls, ps, st, step, lanes):
 
 
 @T.macro
-def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse):
-    """Elements (r, h, d .. d + lanes) of the merged output from st (_merge_step), gated when asked, and the
-    LSE when `write_lse` (one thread a head)."""
+def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse, D):
+    """Elements (r, h, d .. d + lanes) of the merged output from st (_merge_step), those below D, gated when
+    asked, and the LSE when `write_lse` (one thread a head)."""
     inv = T.if_then_else(st[1] > 0, 1.0 / st[1], 0)
     gated = (flags & HAS_GATE) != 0
-    if live:
-        for v in T.unroll(lanes):
+    for v in T.unroll(lanes):
+        if live & (d + v < D):
             o = st[3 + v] * inv
             gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d + v), 0)
             O[r, h, d + v] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), O.dtype)
@@ -730,21 +731,35 @@ def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse):
 
 
 @T.macro
-def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last, S):
-    """The merge kernel's output element (r, h, d) in one pass over the splits, MERGE_STEP a step: the step's
-    LSE and partial loads go out together (predicated on the split count only), then _merge_step."""
-    _merge_start(st)
-    for s0 in T.serial(T.ceildiv(S, MERGE_STEP)):
-        for j in T.unroll(MERGE_STEP):
-            sj = T.min(s0 * MERGE_STEP + j, S - 1)
-            ls[j] = T.if_then_else(s0 * MERGE_STEP + j < S, PL[sj, r, h], NEG_INF)
-            ps[j] = T.if_then_else(s0 * MERGE_STEP + j < S, T.cast(PO[sj, r, h, d], "float32"), 0)
-        _merge_step(ls, ps, st, MERGE_STEP, 1)
-    _merge_store(G, GH, O, LSE, st, flags, r, h, d, 1, live, last)
+def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last, S, D, step, lanes):
+    """The merge kernel's output elements (r, h, d .. d + lanes) in one pass over the splits, `step` splits a
+    step: the step's LSE and partial loads go out together (predicated on the split count only; a lane past
+    D repeats element D - 1), then _merge_step."""
+    _merge_start(st, lanes)
+    for s0 in T.serial(T.ceildiv(S, step)):
+        for j in T.unroll(step):
+            sj = T.min(s0 * step + j, S - 1)
+            ls[j] = T.if_then_else(s0 * step + j < S, PL[sj, r, h], NEG_INF)
+            for v in T.unroll(lanes):
+                ps[j * lanes + v] = T.if_then_else(s0 * step + j < S, T.cast(PO[sj, r, h, T.min(d + v, D - 1)], "float32"), 0)
+        _merge_step(ls, ps, st, step, lanes)
+    _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, last, D)
+
+
+# The merge's grid: one (row, head) pair a CTA, one thread an element, up to MERGE_CTAS pairs (latency-bound
+# sizes: split decode). Past that, MERGE_CTAS CTAs with several pairs each, WIDE_LANES consecutive elements a
+# thread, WIDE_STEP splits a step: each split's LSE load and weight then serve four elements, and a step's
+# unrolled loads fit the few splits of GQA decode. H200, 3 splits x 512 rows x 64 heads x D 128: 244 us one
+# pair a CTA (the GPU issued the unrolled loads of 16 splits for each element), 36 us wide
+# (benchmarks/results/NVIDIA_H200-2026-12-02-merge.md).
+MERGE_CTAS = 1024
+WIDE_LANES = 4
+WIDE_STEP = 4
 
 
 def merge(pdtype, odtype, threads):
-    """SplitKV merge, one CTA per (row, head): lse = log sum_s exp(l_s), out = sum_s exp(l_s - lse) o_s.
+    """SplitKV merge: lse = log sum_s exp(l_s), out = sum_s exp(l_s - lse) o_s, over the (row, head) pairs
+    (grid: see MERGE_CTAS).
 
     A split with l_s = -inf is skipped (its partial is never read); a row with no
     live split gets 0 and -inf. The gate (flag HAS_GATE: G in FP32, or GH in odtype) multiplies the merged
@@ -766,21 +781,30 @@ def merge(pdtype, odtype, threads):
         LSE: T.StridedTensor((RL, HL), (smr, smh), "float32"),
         flags: T.int32,
     ):
-        with T.Kernel(R * H, threads=threads) as bx:
+        with T.Kernel(T.min(R * H, MERGE_CTAS), threads=threads) as bx:
             T.import_source(SPLIT_SOURCE)
             # four CTAs an SM at 256 threads: 64 registers instead of 79, no spills (at five CTAs it spills);
             # H200: 0-13% faster merges (benchmarks/results/NVIDIA_H200-2026-12-02-gqa_decode_tma.md)
             T.annotate_min_blocks_per_sm(4)
-            r = T.alloc_var("int32")  # bound once, not re-derived (with floor fix-ups) in every unrolled load
-            h = T.alloc_var("int32")
-            r = bx // H
-            h = bx % H
             tx = T.get_thread_binding()
+            # bound once, not re-derived (with floor fix-ups) in every unrolled load; all are non-negative
+            p = T.alloc_var("int32")
+            r = T.alloc_var("int32")
+            h = T.alloc_var("int32")
+            d = T.alloc_var("int32")
+            wide = R * H > MERGE_CTAS
+            # wide: pairs [first, end) of this CTA, as evenly as MERGE_CTAS splits them (64-bit: bx * R * H
+            # passes 2**31 from two million pairs)
+            first = T.Cast("int32", T.truncdiv(T.Cast("int64", bx) * R * H, MERGE_CTAS))
+            end = T.Cast("int32", T.truncdiv(T.Cast("int64", bx + 1) * R * H, MERGE_CTAS))
+            p = T.if_then_else(wide, first, bx)  # the CTA's first pair
+            r = T.truncdiv(p, H)
+            h = T.truncmod(p, H)
             # Launched as a programmatic dependent (TileLang does so for a kernel with pdl_sync): it may start
             # before the previous kernel in the stream ends (the split attention kernel lets it at its start),
-            # and reads nothing before this wait for that kernel's end. The gate's line is sent to L2 first:
-            # the gate is older than the previous kernel, and an L2 prefetch cannot make a later load stale
-            # (L2 is where the GPU's global memory is coherent).
+            # and reads nothing before this wait for that kernel's end. The gate's line (the first pair's) is
+            # sent to L2 first: the gate is older than the previous kernel, and an L2 prefetch cannot make a
+            # later load stale (L2 is where the GPU's global memory is coherent).
             if (flags & HAS_GATE) != 0:
                 dg = T.min(tx, D - 1)
                 if (flags & GATE_NATIVE) != 0:
@@ -790,10 +814,24 @@ def merge(pdtype, odtype, threads):
             T.pdl_sync()
             ls = T.alloc_local((MERGE_STEP,), "float32")
             ps = T.alloc_local((MERGE_STEP,), "float32")
-            st = T.alloc_local((4,), "float32")
-            for i in T.serial(T.ceildiv(D, threads)):
-                # a thread past D repeats element D - 1 without storing it; thread 0's last element writes the LSE
-                _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, T.min(i * threads + tx, D - 1),
-                               i * threads + tx < D, (tx == 0) & (i == T.ceildiv(D, threads) - 1), S)
+            st = T.alloc_local((3 + WIDE_LANES,), "float32")
+            if wide:
+                # chunks of WIDE_LANES elements, a thread past the last one repeating an element without storing it
+                chunks = T.ceildiv(D, WIDE_LANES)
+                for i in T.serial(T.ceildiv((end - first) * chunks, threads)):
+                    e = i * threads + tx
+                    p = T.min(first + T.truncdiv(e, chunks), end - 1)
+                    d = T.truncmod(e, chunks) * WIDE_LANES
+                    r = T.truncdiv(p, H)
+                    h = T.truncmod(p, H)
+                    live = e < (end - first) * chunks
+                    _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, live & (d == 0), S, D,
+                                   WIDE_STEP, WIDE_LANES)
+            else:
+                for i in T.serial(T.ceildiv(D, threads)):
+                    # a thread past D repeats element D - 1 without storing it; thread 0's last element writes the LSE
+                    d = T.min(i * threads + tx, D - 1)
+                    _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, i * threads + tx < D,
+                                   (tx == 0) & (i == T.ceildiv(D, threads) - 1), S, D, MERGE_STEP, 1)
 
     return main

@@ -57,7 +57,7 @@ MERGE = Stage(
     "qsa_merge", "mate.qsa.kernels.sparse", "merge",
     space=dict(threads=(64, 128, 256)),
     keys=("pdtype", "odtype"),
-    limits=lambda spec, t: None,  # one CTA per (row, head): every thread count of the space fits
+    limits=lambda spec, t: None,  # no shared memory, few registers: every thread count of the space fits
     shapes=dict(quick=[dict(splits=8, rows=64)], full=[dict(splits=8, rows=64), dict(splits=16, rows=8)]),
     workload="qsa_merge_workload",
     tol=1e-2,
