@@ -750,8 +750,8 @@ def _merge_element(PO, PL, G, GH, O, LSE, ls, ps, st, flags, r, h, d, live, last
 # sizes: split decode). Past that, MERGE_CTAS CTAs with several pairs each, WIDE_LANES consecutive elements a
 # thread, WIDE_STEP splits a step: each split's LSE load and weight then serve four elements, and a step's
 # unrolled loads fit the few splits of GQA decode. H200, 3 splits x 512 rows x 64 heads x D 128: 244 us one
-# pair a CTA (the GPU issued the unrolled loads of 16 splits for each element), 36 us wide
-# (benchmarks/results/NVIDIA_H200-2026-12-02-merge.md).
+# pair a CTA (every element ran the 16-split step's unrolled code for 3 live splits: 4 splits a step alone
+# made it 85 us), 36 us wide (benchmarks/results/NVIDIA_H200-2026-12-02-merge.md).
 MERGE_CTAS = 1024
 WIDE_LANES = 4
 WIDE_STEP = 4
