@@ -38,6 +38,7 @@ what it measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import traceback
@@ -252,7 +253,7 @@ def decode(args) -> dict:
         jobs = [("gqa_decode", key, tiles, True) for key in keys for tiles in args.tiles]
         for job, (_, error) in compile_kernels(jobs, 16):
             assert error is None, (job, error)
-    for D, ps in ((D, ps) for D in args.dims for ps in (16, 64)):
+    for D, ps in itertools.product(args.dims, (16, 64)):
         pages = nd * ctx // ps
         kc, vc = rnd(pages, ps, HKV, D), rnd(pages, ps, HKV, D)
         table = torch.randperm(pages, device=dev).int().view(nd, ctx // ps)  # pages in random order

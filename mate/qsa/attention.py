@@ -173,8 +173,9 @@ def qsa_sparse_attention(
     warp-specialized already (a cp.async producer warpgroup and an MMA consumer warpgroup):
     warp_specialized=True is accepted for the canonical 24/2/256 geometry and runs that same
     kernel. Padded query axes (and those of indices, positions, gate and out) must collapse to
-    zero-copy row views; K/V need a unit feature stride and 16-byte aligned base and outer strides. No host synchronization: the
-    native path can be captured in a CUDA graph and replayed with new metadata values.
+    zero-copy row views; K/V need a unit feature stride and 16-byte aligned base and outer strides.
+    No host synchronization: the native path can be captured in a CUDA graph and replayed with new
+    metadata values.
     """
     problem = resolve(**locals())  # first statement: locals() is exactly the parameters
     return native(problem) if problem.backend == "tilelang" else reference_run(problem)
