@@ -234,38 +234,44 @@ def gqa_varlen(window, D):
     return make
 
 
-def gqa_paged_decode(device, gen):
+def gqa_paged_decode(lens, window):
     """Decode steps of 2 rows against a paged cache (pages of 16 in random order, a -1 page inside one sequence,
-    an out-of-range id past another's length), window, sinks and softcap (the split-KV kernel and its merge);
-    the refresh gives the sequences new lengths within their pages and redraws q and the sinks."""
-    H, Hkv, D, ps, lens = 8, 2, 128, 16, [200, 1, 77, 0]
-    need = [-(-n // ps) for n in lens]
-    k = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
-    v = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
-    table = torch.full((len(lens), max(need) + 1), -1, dtype=I32)
-    order = torch.randperm(sum(need), generator=gen).tolist()
-    for b, n in enumerate(need):
-        table[b, :n] = torch.tensor(order[:n], dtype=I32)
-        order = order[n:]
-    table[0, 3], table[2, need[2]] = -1, k.shape[0] + 4
-    table = table.to(device)
-    seq_lens = torch.tensor(lens, dtype=I32, device=device)
-    q = tail_view(gen, (len(lens), 2, H, D), device=device)
-    sinks = torch.empty(H, device=device)
-    out = torch.empty_like(q)
+    an out-of-range id past another's length), a window, sinks and softcap; the refresh gives the sequences new
+    lengths within their pages and redraws q and the sinks. Sequences of `lens` keys at most: where the window
+    lets a row see at most 256 keys (four tiles) the kernel runs one split and writes the output itself, else
+    it splits and merges."""
 
-    def refresh():
-        seq_lens.copy_(torch.tensor([int(torch.randint(0, ps * n + 1, (1,), generator=gen)) for n in need], dtype=I32))
-        sinks.copy_(torch.randn(H, generator=gen).to(device))
-        q.copy_(randn(gen, *q.shape, device=device))
+    def make(device, gen):
+        H, Hkv, D, ps = 8, 2, 128, 16
+        need = [-(-n // ps) for n in lens]
+        k = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
+        v = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
+        table = torch.full((len(lens), max(need) + 1), -1, dtype=I32)
+        order = torch.randperm(sum(need), generator=gen).tolist()
+        for b, n in enumerate(need):
+            table[b, :n] = torch.tensor(order[:n], dtype=I32)
+            order = order[n:]
+        table[0, 3], table[2, need[2]] = -1, k.shape[0] + 4
+        table = table.to(device)
+        seq_lens = torch.tensor(lens, dtype=I32, device=device)
+        q = tail_view(gen, (len(lens), 2, H, D), device=device)
+        sinks = torch.empty(H, device=device)
+        out = torch.empty_like(q)
 
-    def call(backend):
-        o = out if backend == "tilelang" else None
-        return mate.gqa_attention(q, k, v, block_table=table, seq_lens_k=seq_lens, sliding_window=(100, 0), sinks=sinks, softcap=8.0,
-                                  out=o, return_lse=True, backend=backend)
+        def refresh():
+            seq_lens.copy_(torch.tensor([int(torch.randint(0, ps * n + 1, (1,), generator=gen)) for n in need], dtype=I32))
+            sinks.copy_(torch.randn(H, generator=gen).to(device))
+            q.copy_(randn(gen, *q.shape, device=device))
 
-    refresh()
-    return Problem(call, refresh)
+        def call(backend):
+            o = out if backend == "tilelang" else None
+            return mate.gqa_attention(q, k, v, block_table=table, seq_lens_k=seq_lens, sliding_window=window, sinks=sinks,
+                                      softcap=8.0, out=o, return_lse=True, backend=backend)
+
+        refresh()
+        return Problem(call, refresh)
+
+    return make
 
 
 # ---------------------------------------------------------------- QSA sparse attention and SplitKV merge
@@ -399,7 +405,8 @@ CASES = {
     "gqa_causal_short_keys": gqa((-1, 0), 70, 45, 128),  # the first 25 rows see nothing
     "gqa_launcher": gqa_launcher,
     "gqa_varlen_sinks_softcap": gqa_varlen((20, 0), 64),
-    "gqa_paged_decode": gqa_paged_decode,
+    "gqa_paged_decode": gqa_paged_decode([200, 1, 77, 0], (100, 0)),  # one split
+    "gqa_paged_decode_split": gqa_paged_decode([2000, 1, 77, 0], (1000, 0)),  # 4 splits and the merge
     "merge_states": merge_states(29, 128),
     "merge_states_wide": merge_states(300, 66),
     "qsa_paged": qsa_paged,

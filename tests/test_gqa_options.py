@@ -302,15 +302,24 @@ def test_split_kv_takes_paged_caches_and_padded_decode():
                         cu_seqlens_k=cu([3, 4]), max_seqlen_k=4).split_kv
 
 
-@pytest.mark.parametrize("batch, window, want", [(64, None, 3), (64, (4096, 0), 3), (1, None, 32), (1, (4096, 0), 17), (2, (100, 0), 1)])
-def test_key_splits_fill_the_gpu_within_the_band(monkeypatch, batch, window, want):
-    """B x 1 row x 8192 keys, H 64 / 8: about CTAS_PER_SM CTAs per multiprocessor (132), at least MIN_SPLIT_TILES
-    key tiles of the band a split."""
+# H200-shaped (132 multiprocessors), B x 1 row x 8192 keys, H 64 / 8 (one row tile of 8 packed rows a KV head):
+# at D 128 two CTAs are resident a multiprocessor (264 slots), at D 64 four (528).
+@pytest.mark.parametrize("dim, batch, window, want", [
+    (128, 64, None, 1), (128, 32, (4096, 0), 1),  # 512 / 256 CTAs: whole waves unsplit
+    (128, 48, None, 2), (128, 40, None, 4), (128, 24, (4096, 0), 4), (128, 16, None, 2),  # partial waves
+    (128, 56, None, 1),  # 7 splits would be 14% below one: less than SPLIT_GAIN
+    (64, 32, None, 2), (64, 16, (4096, 0), 4), (64, 64, None, 1),
+    (128, 1, None, 32), (128, 1, (4096, 0), 17),  # MIN_SPLIT_TILES bound the splits
+    (128, 2, (100, 0), 1),  # a band of two tiles
+])
+def test_key_splits_fill_the_resident_slots(monkeypatch, dim, batch, window, want):
+    from mate import _dispatch
     from mate.swa import attention as A
 
     monkeypatch.setattr(A, "_sm_count", lambda device: 132)
-    p = _problem(torch.randn(batch, 1, 64, 8), torch.randn(batch, 8192, 8, 8), sliding_window=window)
-    assert A._num_splits(p, 8, 8, 8192, dict(block_m=64, block_n=64)) == want
+    p = _problem(torch.randn(batch, 1, 64, dim), torch.randn(batch, 8192, 8, dim), sliding_window=window)
+    spec = A._spec(torch.bfloat16, dim, p.left, p.right)
+    assert A._num_splits(p, 8, 8, 8192, spec, _dispatch.tiles("gqa_decode", spec, "sm90")) == want
 
 
 @pytest.mark.compile

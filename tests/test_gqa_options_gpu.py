@@ -108,6 +108,14 @@ def test_sink_only_rows_and_no_keys():
     torch.testing.assert_close(lse[0, :, :200], sinks.view(H, 1).expand(H, 200), rtol=1e-5, atol=1e-5)  # through exp2/log2
     out, lse = mate.gqa_attention(q, k[:, :0], v[:, :0], sinks=sinks, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sinks.view(1, H, 1).expand(1, H, 300))
+    # Decode (the split-KV kernel, one split: it writes the output itself): 8 rows over 5 keys, rows 0-2 see none.
+    q, k, v = randn(2, 8, H, 128, dtype=BF16), randn(2, 5, 2, 128, dtype=BF16), randn(2, 5, 2, 128, dtype=BF16)
+    for s in (sinks, None):
+        out, lse, ref_out, ref_lse = run_both(q, k, v, (-1, 0), sinks=s)
+        assert_attention_matches(out, lse, ref_out, ref_lse)
+        assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
+        empty = sinks.view(1, H, 1).expand(2, H, 3) if s is not None else torch.full((2, H, 3), float("-inf"), device="cuda")
+        torch.testing.assert_close(lse[:, :, :3], empty, rtol=1e-5, atol=1e-5)
 
 
 def test_varlen_garbage_outside_the_sequences_changes_nothing():
@@ -181,10 +189,20 @@ def paged_cache(lens_k, page_size, Hkv, dim, dtype, hole=True, poison=True):
     return k, v, table.cuda(), torch.tensor(lens_k, dtype=torch.int32, device="cuda")
 
 
+@pytest.fixture(params=["splits", "one_split"])
+def split_policy(request, monkeypatch):
+    """A split-KV test twice: with the shipped split counts (on these small batches several splits and the merge,
+    where the band is longer than four tiles) and with one split forced (the kernel writes the output itself)."""
+    if request.param == "one_split":
+        from mate.swa import attention as A
+
+        monkeypatch.setattr(A, "_num_splits", lambda *args: 1)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("wclass", WINDOW_CLASSES)
-def test_paged_matches_reference(dtype, dim, wclass):
+def test_paged_matches_reference(dtype, dim, wclass, split_policy):
     """Padded and varlen queries against a paged cache, every page size in turn, each option in some step."""
     H, Hkv = 8, 2
     for n, window in enumerate(WINDOWS[wclass]):
@@ -204,7 +222,7 @@ def test_paged_matches_reference(dtype, dim, wclass):
 
 @pytest.mark.parametrize("sq", [1, 8, 16])
 @pytest.mark.parametrize("window", [None, (-1, 0), (300, 0), (64, 16)], ids=str)
-def test_padded_decode_matches_reference(sq, window):
+def test_padded_decode_matches_reference(sq, window, split_policy):
     """Padded q with at most 16 rows takes the split-KV kernel (k as one page per sequence); MQA and MHA groups too."""
     for H, Hkv in [(64, 8), (16, 1), (4, 4)]:
         q = randn(3, sq, H, 128, dtype=BF16, scale=2.0)
@@ -212,7 +230,21 @@ def test_padded_decode_matches_reference(sq, window):
         assert_attention_matches(*run_both(q, k, v, window))
 
 
-def test_paged_garbage_changes_nothing():
+def test_decode_into_an_out_whose_rows_do_not_flatten(split_policy):
+    """out [B, Sq, H, D] sliced from [B, Sq + 1, H, D]: its rows do not flatten into one axis, so the output goes
+    beside it and is copied in; the slice's neighbours stay as they were."""
+    q = randn(3, 4, 16, 128, dtype=BF16, scale=2.0)
+    k, v = randn(3, 1500, 2, 128, dtype=BF16, scale=2.0), randn(3, 1500, 2, 128, dtype=BF16)
+    base = torch.full((3, 5, 16, 128), float("nan"), dtype=BF16, device="cuda")
+    out = base[:, :4]
+    res, lse = mate.gqa_attention(q, k, v, sliding_window=(700, 0), out=out, return_lse=True)
+    ref_out, ref_lse = mate.gqa_attention(q, k, v, sliding_window=(700, 0), return_lse=True, backend="reference")
+    assert res is out
+    assert_attention_matches(out, lse, ref_out, ref_lse)
+    assert torch.isnan(base[:, 4]).all()
+
+
+def test_paged_garbage_changes_nothing(split_policy):
     """NaN/Inf in unowned pages, last pages' tails and -1 pages: bit-identical to zeros there."""
     k, v, table, lens = paged_cache([3000, 17, 64, 1], 16, 2, 128, BF16)
     q = randn(4, 4, 8, 128, dtype=BF16)
@@ -224,7 +256,7 @@ def test_paged_garbage_changes_nothing():
         assert torch.isfinite(dirty[0]).all()
 
 
-def test_paged_decode_cuda_graph_replay_uses_current_table_and_lengths():
+def test_paged_decode_cuda_graph_replay_uses_current_table_and_lengths(split_policy):
     H, Hkv, D, B = 16, 2, 128, 6
     # Clean memory: the replays give the sequences other lengths and other rows of the table.
     k, v, table, lens = paged_cache([500, 1, 2000, 64, 0, 1234], 32, Hkv, D, BF16, hole=False, poison=False)

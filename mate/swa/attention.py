@@ -41,6 +41,7 @@ from mate import _debug, _dispatch
 from mate.qsa.merge import merge_attention_states
 from mate.swa import reference
 from mate.swa.kernels.gqa_card import NATIVE_DIMS
+from mate.swa.kernels.gqa_decode_card import resident_ctas
 
 LOG2E = 1.4426950408889634
 # Stands for an unbounded window side in the kernel: larger than any distance
@@ -51,10 +52,12 @@ STAGE = _dispatch.STAGES["gqa_fwd"]
 DECODE = _dispatch.STAGES["gqa_decode"]
 # Padded calls with at most this many query rows per sequence take the split-KV kernel (decode).
 DECODE_MAX_ROWS = 16
-# The split-KV grid aims at this many CTAs per multiprocessor (one to three are resident at the shipped
-# tiles; more waves even out the sequences' lengths), with at least MIN_SPLIT_TILES key tiles per split.
+# Split-KV: at most this many CTAs per multiprocessor (more waves even out the sequences' lengths), with at
+# least MIN_SPLIT_TILES key tiles per split; within that, the split count whose grid fills the resident CTA slots
+# best (_num_splits), if that beats one split by SPLIT_GAIN (a split pays the partials and the merge).
 CTAS_PER_SM = 8
 MIN_SPLIT_TILES = 4
+SPLIT_GAIN = 0.2
 INT32_MAX = (1 << 31) - 1
 
 
@@ -171,13 +174,22 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _num_splits(p, rows_max: int, group: int, capacity: int, tiles: dict) -> int:
-    """Key splits per (row tile, KV head, sequence): enough CTAs for CTAS_PER_SM on every multiprocessor,
-    each split at least MIN_SPLIT_TILES key tiles of the longest band the host can bound."""
+def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: dict) -> int:
+    """Key splits per (row tile, KV head, sequence) from a wave model: c CTAs unsplit, s splits each 1/s of the
+    work, slots resident CTAs (resident_ctas x multiprocessors) take ceil(s c / slots) / s of one unsplit CTA's
+    time (equal work a CTA). The smallest s of the least time, if that is SPLIT_GAIN below one split's, else
+    one split (which writes the output itself, no merge). H200, B x 8192 keys, H 64 / 8, D 128 (2 slots an SM):
+    B 16 / 24 / 32 / 40 / 48 / 56 / 64 were fastest at 2 / 4 / 1 / 2-4 / 2 / 1-2 / 1 splits, as the model says
+    (56: s 7 by 14%, below SPLIT_GAIN); the 8-row merges cost most
+    (benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md)."""
     keys = capacity if p.left < 0 else min(capacity, p.left + -(-rows_max // group) + max(p.right, 0))
     ctas = p.batch * p.k.shape[-2] * -(-rows_max // tiles["block_m"])
-    most = max(1, -(-keys // (tiles["block_n"] * MIN_SPLIT_TILES)))
-    return max(1, min(most, -(-CTAS_PER_SM * _sm_count(p.q.device) // max(ctas, 1))))
+    sms = _sm_count(p.q.device)
+    slots = resident_ctas(spec, tiles) * sms
+    most = max(1, min(-(-keys // (tiles["block_n"] * MIN_SPLIT_TILES)), -(-CTAS_PER_SM * sms // max(ctas, 1))))
+    waves = lambda s: -(-s * ctas // slots) / s  # noqa: E731
+    best = min(range(1, most + 1), key=lambda s: (waves(s), s))
+    return best if waves(best) <= (1 - SPLIT_GAIN) * waves(1) else 1
 
 
 def _run_split_kv(p, o) -> torch.Tensor:
@@ -200,21 +212,24 @@ def _run_split_kv(p, o) -> torch.Tensor:
     elif R:
         group = H // k.shape[-2]
         spec = _spec(q.dtype, D, p.left, p.right)
-        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], _dispatch.tiles(DECODE.name, spec, p.target))
-        slots = splits + (p.sinks is not None)
-        part_o = torch.empty(slots, R, H, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(slots, R, H, dtype=torch.float32, device=q.device)
-        cu = C.canonical_unit_strides
-        _dispatch.kernel(DECODE.name, spec, p.target)(
-            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p), part_o, part_lse, *_softmax_args(p),
-            splits, rows_max * group, int(p.sinks is not None))
+        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], spec, _dispatch.tiles(DECODE.name, spec, p.target))
         try:
             o_rows = o.view(R, H, D)
-        except RuntimeError:  # a caller's out whose rows do not flatten: merge beside it, then copy
+        except RuntimeError:  # a caller's out whose rows do not flatten: written beside it, then copied
             o_rows = None
-        merged, _ = merge_attention_states(part_o, part_lse, out=o_rows, lse=lse_rows, out_dtype=o.dtype)
+        dst = o_rows if o_rows is not None else torch.empty(R, H, D, dtype=o.dtype, device=q.device)
+        # One split: the kernel writes dst and the LSE itself (direct); else FP32 partials (and the sink's slot) to merge.
+        slots = 0 if splits == 1 else splits + (p.sinks is not None)
+        part_o = torch.empty(max(slots, 1), R if slots else 1, H if slots else 1, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(part_o.shape[:3], dtype=torch.float32, device=q.device)
+        cu = C.canonical_unit_strides
+        _dispatch.kernel(DECODE.name, spec, p.target)(
+            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p), part_o, part_lse, cu(dst), lse_rows,
+            *_softmax_args(p), splits, rows_max * group, int(p.sinks is not None), int(slots == 0))
+        if slots:
+            merge_attention_states(part_o, part_lse, out=dst, lse=lse_rows)
         if o_rows is None:
-            o.copy_(merged.view(o.shape))
+            o.copy_(dst.view(o.shape))
     if varlen:
         return lse_rows.t().contiguous() if p.return_lse else lse_rows.t()
     lse = lse_rows.view(p.batch, q.shape[1], H).permute(0, 2, 1)

@@ -16,7 +16,10 @@ row of the tile sees) in `num_splits` runs of whole key tiles; each writes its r
 output (normalized, FP32) and natural-log LSE to slot `split` of the partials, which
 mate.qsa.merge.merge_attention_states combines (a split with no visible key writes LSE -inf
 and output 0). With sinks, split 0 also writes slot `num_splits`: output 0 and LSE the sink's
-logit, so the merge adds the sink to the normaliser. Softcap (runtime, 0 = off) caps the scores
+logit, so the merge adds the sink to the normaliser. With one split (`direct`) the CTA writes the
+output in q's dtype and the LSE itself, the sink folded in, and there is no merge: at B 64 x 8192
+keys the merge took 10 to 36 us of a 0.3 to 0.7 ms call, one split or three, and one split's attention
+was no slower than three's (H200; benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md). Softcap (runtime, 0 = off) caps the scores
 before the mask, the host then passes scale_log2 = log2(e).
 
 Unused cache memory is never read: each key tile's page id (-1 for a key outside the band [lo, hi), so
@@ -54,7 +57,7 @@ ahead measured within 1% of loading them at the top of each tile.
 
 import tilelang.language as T
 
-from mate.swa.kernels.gqa import LN2, NEG_INF, online_softmax
+from mate.swa.kernels.gqa import LN2, LOG2E, NEG_INF, online_softmax
 
 # TileLang lowers the T.tma_copy's (TMA lowering stays on); no warp specialization (one warpgroup issues the
 # copies and computes); the loads and stores are guarded by hand, and so are the barriers (see the loop).
@@ -178,9 +181,28 @@ def _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_
 
 
 @T.macro
-def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh):
+def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h, has_sinks, block_m, dim):
+    """One split (`direct`): the tile's rows straight into the output (q's dtype) and the LSE, as the merge of one
+    partial would give them; the sink's logit (with sinks) joins the normaliser. A row with nothing visible gets
+    output 0 and LSE -inf (with sinks, the sink's logit)."""
+    for i in T.Parallel(block_m):
+        # l_fin holds the sink's logit (log2) first; without sinks it is -inf, so m_fin = m_off and l_fin = l_run.
+        l_fin[i] = T.if_then_else(has_sinks > 0, Sinks[T.min(row_h[i], Sinks.shape[0] - 1)] * LOG2E, NEG_INF)
+        m_fin[i] = T.max(m_off[i], l_fin[i])
+        l_fin[i] = l_run[i] * T.exp2(m_off[i] - m_fin[i]) + T.exp2(l_fin[i] - m_fin[i])
+        r[i] = T.if_then_else(l_fin[i] > 0, T.exp2(m_off[i] - m_fin[i]) / l_fin[i], 0)
+    for i, d in T.Parallel(block_m, dim):
+        if row_q[i] >= 0:
+            O[row_q[i], row_h[i], d] = T.cast(acc_o[i, d] * r[i], O.dtype)
+    for i in T.Parallel(block_m):
+        if row_q[i] >= 0:
+            LSE[row_q[i], row_h[i]] = T.if_then_else(l_fin[i] > 0, (m_fin[i] + T.log2(l_fin[i])) * LN2, NEG_INF)
+
+
+@T.macro
+def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh):
     """The wrapper checks the layout rule (16-byte aligned strides), which 16-byte cp.async and the TMA tensor
-    maps (strides in multiples of 16 bytes) both need."""
+    maps (strides in multiples of 16 bytes) both need, and 16-byte stores of the output."""
     T.assume(sqr % 8 == 0)
     T.assume(sqh % 8 == 0)
     T.assume(skp % 8 == 0)
@@ -189,6 +211,8 @@ def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh):
     T.assume(svp % 8 == 0)
     T.assume(svs % 8 == 0)
     T.assume(svh % 8 == 0)
+    T.assume(sor % 8 == 0)
+    T.assume(soh % 8 == 0)
 
 
 def _alloc(block_m, block_n, dim, num_stages, dtype):
@@ -210,7 +234,9 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
     has_left, has_right = window == "local", window != "none"
     accum = "float32"
     R, H, Pages, PS, Hkv, B, MP, NQ, HS, NS = T.dynamic("R H Pages PS Hkv B MP NQ HS NS")
-    sqr, sqh, skp, sks, skh, svp, svs, svh = T.dynamic("sqr sqh skp sks skh svp svs svh", "int64")
+    # The partials' rows and heads are sizes of their own: `direct` passes 1-row placeholders.
+    RP, HP = T.dynamic("RP HP")
+    sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh = T.dynamic("sqr sqh skp sks skh svp svs svh sor soh", "int64")
 
     @T.prim_func
     def main(
@@ -221,8 +247,10 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
         SeqK: T.Tensor((B,), "int32"),
         CuQ: T.Tensor((NQ,), "int32"),
         Sinks: T.Tensor((HS,), accum),
-        PO: T.Tensor((NS, R, H, dim), accum),
-        PL: T.Tensor((NS, R, H), accum),
+        PO: T.Tensor((NS, RP, HP, dim), accum),
+        PL: T.Tensor((NS, RP, HP), accum),
+        O: T.StridedTensor((R, H, dim), (sor, soh, 1), dtype),
+        LSE: T.Tensor((R, H), accum),
         scale_log2: T.float32,
         left: T.int32,
         right: T.int32,
@@ -231,11 +259,12 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
         num_splits: T.int32,
         packed_rows: T.int32,
         has_sinks: T.int32,
+        direct: T.int32,
     ):
         with T.Kernel(T.ceildiv(packed_rows, block_m), Hkv, B * num_splits, threads=threads) as (bx, kvh, bz):
             (Q_s, K_s, V_s, pg, sl, next_page, row_q, row_h, row_pos, acc_s, acc_p, acc_o,
              m_run, m_prev, m_off, alpha, row_sum, l_run) = _alloc(block_m, block_n, dim, num_stages, dtype)
-            _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh)
+            _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh)
             b = T.alloc_var("int32")
             split = T.alloc_var("int32")
             group = T.alloc_var("int32")
@@ -319,6 +348,9 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
                 if t + num_stages < n:  # the slot of tile t - 1, read by no one since the last barrier
                     _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, k_lo, hi, block_n)
                 T.sync_threads()  # stage t % num_stages is refilled, and these ids read, in the next iteration
-            _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim)
+            if direct > 0:
+                _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_prev, alpha, row_sum, row_q, row_h, has_sinks, block_m, dim)
+            else:
+                _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim)
 
     return main.with_attr("tilelang_pass_configs", {"tl.enable_fast_math": True})

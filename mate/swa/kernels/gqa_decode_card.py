@@ -6,18 +6,32 @@ and slots and the rows' metadata in shared memory; S, P and O in the registers o
 packed rows.
 """
 
-from mate._hopper import MAX_REGS, warpgroups
+from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, itemsize, warpgroups
 from mate._stage import Stage
 from mate.swa.kernels.gqa_card import tile_limits
 
 SPARE_REGS = 40  # addresses, page ids and loop state beside the accumulators
+THREADS_PER_SM = 2048
+
+
+def _ids_smem(t) -> int:
+    # Beside the rings: the page ids and slots of num_stages + 1 key tiles and three int32 per packed row.
+    return 4 * (2 * (t["num_stages"] + 1) * t["block_n"] + 3 * t["block_m"])
 
 
 def _limits(spec, t):
-    # One warpgroup per 64 rows and no producer: every thread may hold MAX_REGS registers. Beside the rings, the
-    # page ids and slots of num_stages + 1 key tiles and three int32 per packed row.
-    ids = 4 * (2 * (t["num_stages"] + 1) * t["block_n"] + 3 * t["block_m"])
-    return warpgroups(t["threads"], t["block_m"], "block_m") or tile_limits(spec, t, MAX_REGS, SPARE_REGS, ids)
+    # One warpgroup per 64 rows and no producer: every thread may hold MAX_REGS registers.
+    return warpgroups(t["threads"], t["block_m"], "block_m") or tile_limits(spec, t, MAX_REGS, SPARE_REGS, _ids_smem(t))
+
+
+def resident_ctas(spec, t) -> int:
+    """CTAs of these tiles that fit in one multiprocessor at once, by shared memory (Q, the K/V ring, the ids) and by
+    the registers the model counts (S, P, O and SPARE_REGS a thread): two at D 128 and the shipped tiles."""
+    d = spec["dim"]
+    smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d) + _ids_smem(t)
+    regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"] + SPARE_REGS
+    return max(1, min(SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA), REGS_PER_SM // (regs * t["threads"]),
+                      THREADS_PER_SM // t["threads"]))
 
 
 STAGE = Stage(
