@@ -23,8 +23,8 @@ with none of them the call takes the plain kernel, unchanged.
 Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per sequence
 (decode; k then counts as one page per sequence), run the split-KV kernel
 (mate/swa/kernels/gqa_decode.py: the query heads of a KV group packed into the tile's
-rows, each sequence's keys split across CTAs) and the merge stage of mate.qsa.merge,
-with sinks and softcap as runtime arguments: any page size natively, -1 and
+rows, each sequence's keys split across CTAs where the grid is small; one split writes the output
+itself, several go through the merge stage of mate.qsa.merge), with sinks and softcap as runtime arguments: any page size natively, -1 and
 out-of-range page ids masked and never read.
 """
 
@@ -193,7 +193,8 @@ def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: 
 
 
 def _run_split_kv(p, o) -> torch.Tensor:
-    """Paged caches, and padded calls with few query rows (decode), on the split-KV kernel and the merge stage."""
+    """Paged caches, and padded calls with few query rows (decode), on the split-KV kernel (and the merge stage when
+    it splits the keys)."""
     q, k, v = p.q, p.k, p.v
     varlen = p.cu_seqlens_q is not None
     H, D = q.shape[-2], q.shape[-1]
@@ -220,8 +221,9 @@ def _run_split_kv(p, o) -> torch.Tensor:
         dst = o_rows if o_rows is not None else torch.empty(R, H, D, dtype=o.dtype, device=q.device)
         # One split: the kernel writes dst and the LSE itself (direct); else FP32 partials (and the sink's slot) to merge.
         slots = 0 if splits == 1 else splits + (p.sinks is not None)
-        part_o = torch.empty(max(slots, 1), R if slots else 1, H if slots else 1, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(part_o.shape[:3], dtype=torch.float32, device=q.device)
+        shape = (slots, R, H) if slots else (1, 1, 1)  # direct: placeholders, never written
+        part_o = torch.empty(*shape, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         cu = C.canonical_unit_strides
         _dispatch.kernel(DECODE.name, spec, p.target)(
             cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p), part_o, part_lse, cu(dst), lse_rows,

@@ -52,7 +52,9 @@ kernel before TMA) moved about 25 KB/us per SM: 1 row dense 0.684 ms (3.14 TB/s)
 laid out dense: 0.471 ms (4.56 TB/s), (4096, 0) 0.241 ms (benchmarks/results/
 NVIDIA_H200-2026-12-02-gqa_decode_tma.md). Earlier tiles (cp.async; -2026-12-01-gqa_decode_ab.json):
 block_n 128 x 3 stages (one CTA of 208 KB per SM) 0.89 ms; loading the block_table entries a tile
-ahead measured within 1% of loading them at the top of each tile.
+ahead measured within 1% of loading them at the top of each tile. One split (`direct`, the grid's 512 CTAs
+unsplit): 0.556-0.560 ms dense (89-90%), (4096, 0) 0.288 ms (87%); 8 rows 0.613 / 0.316-0.319 ms
+(benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md).
 """
 
 import tilelang.language as T
