@@ -313,6 +313,7 @@ def test_split_kv_takes_paged_caches_and_padded_decode():
     (128, 2, (100, 0), 1),  # a band of two tiles
 ])
 def test_key_splits_fill_the_resident_slots(monkeypatch, dim, batch, window, want):
+    """_num_splits' wave model on the shipped tiles: one split unless a count fills the slots SPLIT_GAIN better."""
     from mate import _dispatch
     from mate.swa import attention as A
 

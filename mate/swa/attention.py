@@ -23,9 +23,9 @@ with none of them the call takes the plain kernel, unchanged.
 Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per sequence
 (decode; k then counts as one page per sequence), run the split-KV kernel
 (mate/swa/kernels/gqa_decode.py: the query heads of a KV group packed into the tile's
-rows, each sequence's keys split across CTAs where the grid is small; one split writes the output
-itself, several go through the merge stage of mate.qsa.merge), with sinks and softcap as runtime arguments: any page size natively, -1 and
-out-of-range page ids masked and never read.
+rows, each sequence's keys split across CTAs where the grid is small; one split writes the
+output itself, several go through the merge stage of mate.qsa.merge), with sinks and softcap
+as runtime arguments: any page size natively, -1 and out-of-range page ids masked and never read.
 """
 
 from __future__ import annotations
@@ -187,7 +187,10 @@ def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: 
     sms = _sm_count(p.q.device)
     slots = resident_ctas(spec, tiles) * sms
     most = max(1, min(-(-keys // (tiles["block_n"] * MIN_SPLIT_TILES)), -(-CTAS_PER_SM * sms // max(ctas, 1))))
-    waves = lambda s: -(-s * ctas // slots) / s  # noqa: E731
+
+    def waves(s: int) -> float:
+        return -(-s * ctas // slots) / s
+
     best = min(range(1, most + 1), key=lambda s: (waves(s), s))
     return best if waves(best) <= (1 - SPLIT_GAIN) * waves(1) else 1
 

@@ -18,9 +18,9 @@ mate.qsa.merge.merge_attention_states combines (a split with no visible key writ
 and output 0). With sinks, split 0 also writes slot `num_splits`: output 0 and LSE the sink's
 logit, so the merge adds the sink to the normaliser. With one split (`direct`) the CTA writes the
 output in q's dtype and the LSE itself, the sink folded in, and there is no merge: at B 64 x 8192
-keys the merge took 10 to 36 us of a 0.3 to 0.7 ms call, one split or three, and one split's attention
-was no slower than three's (H200; benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md). Softcap (runtime, 0 = off) caps the scores
-before the mask, the host then passes scale_log2 = log2(e).
+keys the merge took 10 to 36 us of a 0.3 to 0.7 ms call, one split or three, and one split's
+attention was no slower than three's (H200; benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md).
+Softcap (runtime, 0 = off) caps the scores before the mask, the host then passes scale_log2 = log2(e).
 
 Unused cache memory is never read: each key tile's page id (-1 for a key outside the band [lo, hi), so
 past seq_lens_k, or on a page id outside [0, pages); the block_table index is clamped to its row) and slot

@@ -26,7 +26,11 @@ def _limits(spec, t):
 
 def resident_ctas(spec, t) -> int:
     """CTAs of these tiles that fit in one multiprocessor at once, by shared memory (Q, the K/V ring, the ids) and by
-    the registers the model counts (S, P, O and SPARE_REGS a thread): two at D 128 and the shipped tiles."""
+    the registers the model counts (S, P, O and SPARE_REGS a thread): two at D 128 and the shipped tiles, four at
+    D 64. ptxas gives the D 64 kernel 168 registers a thread (three CTAs by registers), yet the split counts four
+    slots give measured faster on the H200 than those of three (B 16: 4 splits 0.101 ms against 3 splits 0.108;
+    B 32: 2 against 3, 0.185 / 0.191; benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md), so the model
+    stays a model."""
     d = spec["dim"]
     smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d) + _ids_smem(t)
     regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"] + SPARE_REGS
