@@ -568,6 +568,28 @@ def without_cluster_launches():
 
 
 @contextlib.contextmanager
+def gqa_decode_splits(splits: int | None, seen: list | None = None):
+    """gqa_attention's split-KV kernel with `splits` key splits (1: one split, which writes the output itself),
+    or None: the shipped choice (mate.swa.attention._num_splits); `seen` (a list) collects each call's count.
+    For A/Bs of the split choice and tests of both output paths."""
+    from mate.swa import attention
+
+    choose = attention._num_splits
+
+    def forced(*args):
+        n = choose(*args) if splits is None else splits
+        if seen is not None:
+            seen.append(n)
+        return n
+
+    attention._num_splits = forced
+    try:
+        yield
+    finally:
+        attention._num_splits = choose
+
+
+@contextlib.contextmanager
 def using_tiles(target: str, stage: str, key: str, tiles: dict, base: dict | None = None):
     """Run the dispatcher with `tiles` as the entry of (stage, key), through a patched copy of `base`
     (default: the target's config as the dispatcher reads it).

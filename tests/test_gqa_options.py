@@ -323,6 +323,24 @@ def test_key_splits_fill_the_resident_slots(monkeypatch, dim, batch, window, wan
     assert A._num_splits(p, 8, 8, 8192, spec, _dispatch.tiles("gqa_decode", spec, "sm90")) == want
 
 
+def test_gqa_decode_splits_forces_records_and_restores_the_choice(monkeypatch):
+    from mate import _dispatch
+    from mate.swa import attention as A
+    from mate.testing import gqa_decode_splits
+
+    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    choose = A._num_splits
+    p = _problem(torch.randn(16, 1, 64, 128), torch.randn(16, 8192, 8, 128))
+    spec = A._spec(torch.bfloat16, 128, p.left, p.right)
+    args = (p, 8, 8, 8192, spec, _dispatch.tiles("gqa_decode", spec, "sm90"))
+    seen = []
+    with gqa_decode_splits(5, seen):
+        assert A._num_splits(*args) == 5
+    with gqa_decode_splits(None, seen):
+        assert A._num_splits(*args) == 2  # the shipped choice (test_key_splits_fill_the_resident_slots)
+    assert seen == [5, 2] and A._num_splits is choose
+
+
 @pytest.mark.compile
 def test_split_kv_program_gathers_by_tma_boxes_or_zero_filling_cp_async():
     """The split-KV program lowers to TMA boxes of r rows x 64 columns (r = 64, 32, 16: one expect_tx size each)

@@ -10,7 +10,7 @@ import torch
 
 import garbage as G
 import mate
-from mate.testing import capture_graph
+from mate.testing import capture_graph, gqa_decode_splits
 from test_gqa_gpu import assert_attention_matches, run_both
 from mate.swa.kernels.gqa_card import WINDOWS as WINDOW_CLASSES
 
@@ -189,14 +189,12 @@ def paged_cache(lens_k, page_size, Hkv, dim, dtype, hole=True, poison=True):
     return k, v, table.cuda(), torch.tensor(lens_k, dtype=torch.int32, device="cuda")
 
 
-@pytest.fixture(params=["splits", "one_split"])
-def split_policy(request, monkeypatch):
+@pytest.fixture(params=[None, 1], ids=["splits", "one_split"])
+def split_policy(request):
     """A split-KV test twice: with the shipped split counts (on these small batches several splits and the merge,
     where the band is longer than four tiles) and with one split forced (the kernel writes the output itself)."""
-    if request.param == "one_split":
-        from mate.swa import attention as A
-
-        monkeypatch.setattr(A, "_num_splits", lambda *args: 1)
+    with gqa_decode_splits(request.param):
+        yield
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
