@@ -12,7 +12,8 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "common.py")
 
 
 def test_every_example_is_listed():
-    assert {"quickstart.py", "serving_step.py", "prefill_step.py", "nsa_selection.py", "gqa_sliding_window.py"} <= set(SCRIPTS)
+    assert {"quickstart.py", "serving_step.py", "prefill_step.py", "nsa_selection.py", "gqa_sliding_window.py",
+            "gqa_paged_decode.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
