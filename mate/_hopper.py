@@ -9,6 +9,7 @@ SMEM_PER_CTA = 227 * 1024  # the opt-in maximum of one block's shared memory
 SMEM_PER_SM = 228 * 1024  # one multiprocessor's, of which 1 KB per resident block is reserved
 SMEM_RESERVED_PER_CTA = 1024
 REGS_PER_SM = 65536
+THREADS_PER_SM = 2048
 MAX_REGS = 255
 WARPGROUP = 128  # wgmma is issued by warpgroups of 128 threads, each owning 64 rows of M
 WGMMA_M = 64

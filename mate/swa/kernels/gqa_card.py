@@ -31,18 +31,26 @@ def _limits(spec, t):
     return tile_limits(spec, t, consumer_regs_cap(wgs), SPARE_REGS)
 
 
+def tile_smem(spec, t, extra_smem: int = 0) -> int:
+    """Shared memory of the GQA programs' tiles in bytes: Q (O reuses it), the K and V rings of num_stages stages,
+    and `extra_smem`."""
+    d = spec["dim"]
+    return itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d) + extra_smem
+
+
+def tile_regs(spec, t) -> int:
+    """Accumulator registers per thread of the GQA programs' tiles: S, O (FP32) and P (16-bit)."""
+    return (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * spec["dim"]) // t["threads"]
+
+
 def tile_limits(spec, t, regs_cap: int, spare: int, extra_smem: int = 0) -> str | None:
-    """The limits of the GQA programs' tiles: block_n a wgmma N; Q (O reuses it), a K/V ring of num_stages
-    stages and `extra_smem` bytes in shared memory; S, O (FP32) and P (16-bit) plus `spare` in regs_cap
-    registers per thread."""
+    """The limits of the GQA programs' tiles: block_n a wgmma N; tile_smem (with `extra_smem`) in shared memory;
+    tile_regs plus `spare` in regs_cap registers per thread."""
     if t["block_n"] % 16 or t["block_n"] > WGMMA_N_MAX:
         return f"block_n {t['block_n']} is not a wgmma N (multiple of 16, at most {WGMMA_N_MAX})"
-    d = spec["dim"]
-    # Q (O reuses it), K and V rings
-    smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d) + extra_smem
-    if smem > SMEM_PER_CTA:
+    if (smem := tile_smem(spec, t, extra_smem)) > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"]  # S, O (FP32) and P (16-bit)
+    regs = tile_regs(spec, t)
     if regs + spare > regs_cap:
         return f"{regs} accumulator registers per consumer thread + {spare} > {regs_cap}"
     return None

@@ -6,12 +6,11 @@ and slots and the rows' metadata in shared memory; S, P and O in the registers o
 packed rows.
 """
 
-from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, itemsize, warpgroups
+from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, THREADS_PER_SM, warpgroups
 from mate._stage import Stage
-from mate.swa.kernels.gqa_card import tile_limits
+from mate.swa.kernels.gqa_card import tile_limits, tile_regs, tile_smem
 
 SPARE_REGS = 40  # addresses, page ids and loop state beside the accumulators
-THREADS_PER_SM = 2048
 
 
 def _ids_smem(t) -> int:
@@ -31,9 +30,8 @@ def resident_ctas(spec, t) -> int:
     slots give measured faster on the H200 than those of three (B 16: 4 splits 0.101 ms against 3 splits 0.108;
     B 32: 2 against 3, 0.185 / 0.191; benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md), so the model
     stays a model."""
-    d = spec["dim"]
-    smem = itemsize(spec["dtype"]) * (t["block_m"] * d + t["num_stages"] * 2 * t["block_n"] * d) + _ids_smem(t)
-    regs = (t["block_m"] * t["block_n"] * 3 // 2 + t["block_m"] * d) // t["threads"] + SPARE_REGS
+    smem = tile_smem(spec, t, _ids_smem(t))
+    regs = tile_regs(spec, t) + SPARE_REGS
     return max(1, min(SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA), REGS_PER_SM // (regs * t["threads"]),
                       THREADS_PER_SM // t["threads"]))
 
