@@ -218,11 +218,10 @@ def test_graph_replay_with_new_metadata(splits):
 @pytest.mark.parametrize("splits", [5, 37])  # 37: past the kernel's 16 (wide: 4) loads in flight, with a remainder
 @pytest.mark.parametrize("pdtype, odtype", list(itertools.product([torch.float32, torch.bfloat16], [torch.bfloat16, torch.float32])))
 # 198 pairs: one a CTA; 2,100 (over MERGE_CTAS, not a multiple of it): the wide grid, whose four-element chunks
-# end past D = 130, on partials sliced out of wider rows
-@pytest.mark.parametrize("rows, heads, dim", [(33, 6, 200), (300, 7, 130)])
-def test_merge_native(pdtype, odtype, splits, rows, heads, dim):
+# end past D = 130, on partials sliced `pad` elements into wider rows
+@pytest.mark.parametrize("rows, heads, dim, pad", [(33, 6, 200, 0), (300, 7, 130, 3)])
+def test_merge_native(pdtype, odtype, splits, rows, heads, dim, pad):
     gen = torch.Generator().manual_seed(3 + splits)
-    pad = 0 if rows * heads <= 1024 else 3
     po = torch.randn(splits, rows, heads, dim + pad, generator=gen).to(pdtype).cuda()[..., pad:]
     pl = torch.randn(splits, rows, heads, generator=gen).cuda()
     pl[torch.rand(splits, rows, heads, generator=gen).cuda() < 0.3] = float("-inf")
