@@ -18,6 +18,13 @@ cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-/tmp/gpu-suite}}
 LIMIT=${2:-420}
 mkdir -p "$LOG"
+if [ -z "${TILELANG_CACHE_DIR:-}" ] && [ -f .gpu/tlcache.tar.xz ]; then
+    # kernels compiled ahead by scripts/gpu-cache.sh: the compiles below then load them (those whose
+    # source changed since miss and compile)
+    mkdir -p /tmp/mate-tlcache && tar xJf .gpu/tlcache.tar.xz -C /tmp/mate-tlcache
+    export TILELANG_CACHE_DIR=/tmp/mate-tlcache/tlcache
+    echo "TileLang cache from .gpu/tlcache.tar.xz"
+fi
 
 start=$(date +%s)
 timeout 170 python -m mate.precompile --jobs 16 --options >"$LOG/precompile.log" 2>&1
