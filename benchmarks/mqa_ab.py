@@ -2,10 +2,12 @@
 
     git show b8777bc:mate/qsa/kernels/mqa.py > /tmp/old_mqa.py
     python benchmarks/mqa_ab.py --against /tmp/old_mqa.py [--out FILE] [--compile-only] [--workers N]
+                                [--batches 1 64] [--full-contexts]
 
 Issue 16's shapes (bench_mqa's cases): prefill, 8192 rows at positions 24576..32767 of a request
 against its 8192 compressed keys (row_ends = (pos + 1) // 4); paged decode, page 16, 8192 keys,
-batches 1 and 64. Each version of VARIANTS (program: the current source or the other; tiles) is
+batches 1 and 64 (`--batches`), each request's context a random length in [4096, 8192] (request 0:
+8192), or with `--full-contexts` all 8192 keys, as bench_mqa and issue 16 take them. Each version of VARIANTS (program: the current source or the other; tiles) is
 compiled first in parallel processes (TileLang's disk cache; --compile-only stops there, for a CPU
 host with nvcc), then handed to the dispatcher (mate.testing.using_kernel), so the public API runs it.
 
@@ -52,7 +54,8 @@ VARIANTS = [
 
 def jobs(against: Path) -> list[tuple]:
     # b8777bc's logits program (the version this was written against) has no min_blocks: one CTA per multiprocessor.
-    return [(stage, KEYS[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p != "min_blocks"},
+    drop = () if "min_blocks" in against.read_text() else ("min_blocks",)
+    return [(stage, KEYS[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p not in drop},
              None if prog == "current" else str(against)) for _, stage, prog, tiles in VARIANTS]
 
 
@@ -71,14 +74,16 @@ def prefill_case(gen):
     return "prefill 8192 x 8192", (rows, keys), lambda backend="tilelang": mate.qsa_mqa_prefill(q, k, lo, hi, backend=backend)
 
 
-def decode_case(gen, batch, keys=8192, ps=16):
+def decode_case(gen, batch, full, keys=8192, ps=16):
     pages = batch * keys // ps
     cache = torch.randn(pages, ps, 1, 128, device="cuda", generator=gen).bfloat16()
     table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(batch, -1)
     q = torch.randn(batch, 4, 128, device="cuda", generator=gen).bfloat16()
     ctx = torch.randint(keys // 2, keys + 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
     ctx[0] = keys
-    return (f"decode b={batch} x {keys}, page {ps}", (batch, keys),
+    if full:
+        ctx.fill_(keys)
+    return (f"decode b={batch} x {keys}, page {ps}{', full contexts' if full else ''}", (batch, keys),
             lambda backend="tilelang": mate.qsa_mqa_decode(q, cache, table, ctx, keys, backend=backend))
 
 
@@ -88,6 +93,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="decode batches")
+    ap.add_argument("--full-contexts", action="store_true", help="every request's 8192 keys (bench_mqa's decode inputs)")
     a = ap.parse_args(argv)
     from mate.testing import cache_variants, compile_variant, environment, graph_ms, using_kernel
 
@@ -99,7 +106,7 @@ def main(argv=None) -> dict:
         return {}
     kernels = [compile_variant(*job) if error is None else None for job, error in zip(todo, errors)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = {"mqa_logits": [prefill_case(gen)], "mqa_decode": [decode_case(gen, 1), decode_case(gen, 64)]}
+    cases = {"mqa_logits": [prefill_case(gen)], "mqa_decode": [decode_case(gen, b, a.full_contexts) for b in a.batches]}
     res = {**environment(), "against": str(a.against), "launches": LAUNCHES,
            "timing": "us per call; cold: one call per CUDA-graph replay, L2 flushed before each (do_bench median); "
                      "warm: back-to-back calls in one graph (graph_ms); 3 interleaved rounds, the middle", "rows": []}

@@ -484,6 +484,9 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
     82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
+    Again with 04f8837's kernels, splits 1/2/3/4 (cold graph): batch 64 95.9/98.7/116.9/105.6, batch
+    256 228.6/267.2/279.9/289.7: two one-stage CTAs an SM (the wide=1 kernel) do not beat one deep-ring
+    CTA even where the gather alone would (benchmarks/results/NVIDIA_H200-2026-12-02-qsa-ceilings.md).
     One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
     Later, with a merge fused into the attention launch (since dropped: two launches were faster;
     benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,

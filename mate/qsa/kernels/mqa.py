@@ -192,19 +192,15 @@ def _tile_pages(pages, pt, tx, n0, ctx, P, page_size, pages_per_tile):
 
 
 @T.macro
-def _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, dtype):
-    """The tile's keys into shared memory (zeros for a page not read), through registers first: all of a
-    thread's loads are in flight at once (load-store pairs would serialize them)."""
-    for v in T.unroll(loads):
-        c = v * threads + tx
-        i = c // ROW_CHUNKS
-        p = pages[i // page_size]
-        for e in T.vectorized(LOAD_ELEMS):
-            Kr[v, e] = T.if_then_else(p >= 0, Kc[p, i % page_size, (c % ROW_CHUNKS) * LOAD_ELEMS + e], T.cast(0, dtype))
-    for v in T.unroll(loads):
-        c = v * threads + tx
-        for e in T.vectorized(LOAD_ELEMS):
-            Ks[c // ROW_CHUNKS, (c % ROW_CHUNKS) * LOAD_ELEMS + e] = Kr[v, e]
+def _gather_keys(Kc, Ks, pages, page_size, block_keys, dtype):
+    """The tile's keys into shared memory by cp.async (zero-filled for a page not read), all of a thread's
+    copies in flight at once. Staged through registers instead (b8777bc to 04f8837), the tile took 54
+    registers a thread, which held 9 CTAs on an SM; by cp.async 30, and shared memory holds 11. H200,
+    bench_mqa's inputs (every request's 8192 keys, page 16), cold graph, 64 keys / 128 threads: batch 1
+    7.14 -> 6.94 us, 16 17.57 -> 16.90, 64 45.09 -> 44.83, 128 78.37 -> 76.93
+    (benchmarks/results/NVIDIA_H200-2026-12-02-mqa-decode-cp.md)."""
+    for i, d in T.Parallel(block_keys, DIM, prefer_async=True):
+        Ks[i, d] = T.if_then_else(pages[i // page_size] >= 0, Kc[T.max(pages[i // page_size], 0), i % page_size, d], T.cast(0, dtype))
 
 
 @T.macro
@@ -218,8 +214,7 @@ def _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys):
 
 def mqa_decode(dtype, page_size, block_keys, threads):
     assert block_keys % page_size == 0, "block_keys must be a multiple of page_size"
-    assert (block_keys * ROW_CHUNKS) % threads == 0, "every thread loads the same number of 16-byte chunks"
-    loads = block_keys * ROW_CHUNKS // threads
+    assert (block_keys * ROW_CHUNKS) % threads == 0, "every thread copies the same number of 16-byte chunks"
     B, P, MP, L = T.dynamic("B P MP L")
     sqb, sqh, skp, skt, spb, spp, scl = T.dynamic("sqb sqh skp skt spb spp scl", "int64")
     pages_per_tile = block_keys // page_size
@@ -236,7 +231,6 @@ def mqa_decode(dtype, page_size, block_keys, threads):
         with T.Kernel(T.ceildiv(L, block_keys), B, threads=threads) as (bx, by):
             Qs = T.alloc_shared((HEADS_MMA, DIM), dtype)
             Ks = T.alloc_shared((block_keys, DIM), dtype)
-            Kr = T.alloc_local((loads, LOAD_ELEMS), dtype)
             pages = T.alloc_shared((pages_per_tile,), "int32")
             S = T.alloc_fragment((block_keys, HEADS_MMA), "float32")
             score = T.alloc_fragment((block_keys,), "float32")
@@ -254,7 +248,7 @@ def mqa_decode(dtype, page_size, block_keys, threads):
             for h, d in T.Parallel(HEADS_MMA, DIM):
                 Qs[h, d] = T.if_then_else(h < HEADS, Q[by, h, d], T.cast(0, dtype))
             _tile_pages(pages, pt, tx, n0, ctx, P, page_size, pages_per_tile)
-            _gather_keys(Kc, Ks, Kr, pages, tx, page_size, threads, loads, dtype)
+            _gather_keys(Kc, Ks, pages, page_size, block_keys, dtype)
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
             for i, h in T.Parallel(block_keys, HEADS_MMA):
                 S[i, h] = T.max(S[i, h], 0)

@@ -54,10 +54,10 @@ def _decode_limits(spec, t):
     smem = nbytes * (HEADS_MMA + t["block_keys"]) * DIM  # Q (padded heads) and the gathered K tile
     if smem > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
-    # The gathered keys sit in registers before the shared-memory store, plus S (block_keys x padded heads, FP32).
-    regs = t["block_keys"] * DIM * nbytes // 4 // t["threads"] + t["block_keys"] * HEADS_MMA // t["threads"]
+    # S (block_keys x padded heads, FP32); the keys go to shared memory by cp.async, not through registers
+    regs = t["block_keys"] * HEADS_MMA // t["threads"]
     if regs + SPARE_REGS > MAX_REGS:
-        return f"{regs} registers per thread for the gather and S leave too few of {MAX_REGS}"
+        return f"{regs} registers per thread for S leave too few of {MAX_REGS}"
     return None
 
 

@@ -82,6 +82,14 @@ shared memory and a TMA store. `mma_depth` picks the consumer schedule:
      tensor cores busy; benchmarks/results/NVIDIA_H200-2026-12-01-gqa-softmax-join.md).
      After each wgmma wait the released accumulators are fenced, so the
      compiler cannot read S (or overwrite P and O) before the wait.
+
+One query tile a CTA, not a persistent loop over tiles: a CTA's fixed cost (Q and first K/V in flight,
+the first tile's QK^T and the last PV with nothing beside them, the epilogue) is about 25-35% of a
+(1024, 0) window's time (benchmarks/results/NVIDIA_H200-2026-12-01-gqa-softmax-join.md), but TileLang
+0.1.15 does not overlap it across tiles. It does lower a `for` over tiles around this pipelined loop, as
+its stateless PersistentTileScheduler form does. The generated CUDA then has a CTA barrier at each tile,
+loads Q with plain 2-byte loads instead of TMA, and the producer never runs ahead into the next tile
+(read on the CPU, 2026-12-02; not timed). Hiding that cost needs explicit roles and barriers.
 """
 
 import tilelang.language as T
