@@ -2,12 +2,13 @@
 
     git show b8777bc:mate/qsa/kernels/mqa.py > /tmp/old_mqa.py
     python benchmarks/mqa_ab.py --against /tmp/old_mqa.py [--out FILE] [--compile-only] [--workers N]
-                                [--batches 1 64] [--full-contexts]
+                                [--batches 1 64] [--full-contexts] [--page-size 16]
 
 Issue 16's shapes (bench_mqa's cases): prefill, 8192 rows at positions 24576..32767 of a request
 against its 8192 compressed keys (row_ends = (pos + 1) // 4); paged decode, page 16, 8192 keys,
 batches 1 and 64 (`--batches`), each request's context a random length in [4096, 8192] (request 0:
-8192), or with `--full-contexts` all 8192 keys, as bench_mqa and issue 16 take them. Each version of VARIANTS (program: the current source or the other; tiles) is
+8192), or with `--full-contexts` all 8192 keys, as bench_mqa and issue 16 take them; `--page-size` picks
+the decode cache's page size (and the config entry the decode variants stand in for). Each version of VARIANTS (program: the current source or the other; tiles) is
 compiled first in parallel processes (TileLang's disk cache; --compile-only stops there, for a CPU
 host with nvcc), then handed to the dispatcher (mate.testing.using_kernel), so the public API runs it.
 
@@ -95,9 +96,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="decode batches")
     ap.add_argument("--full-contexts", action="store_true", help="every request's 8192 keys (bench_mqa's decode inputs)")
+    ap.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64], help="decode's page size")
     a = ap.parse_args(argv)
     from mate.testing import cache_variants, compile_variant, environment, graph_ms, using_kernel
 
+    DECODE_KEY["page_size"] = a.page_size
     todo = jobs(a.against)
     errors = cache_variants(todo, a.workers)
     for (name, *_), error in zip(VARIANTS, errors):
@@ -106,7 +109,7 @@ def main(argv=None) -> dict:
         return {}
     kernels = [compile_variant(*job) if error is None else None for job, error in zip(todo, errors)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = {"mqa_logits": [prefill_case(gen)], "mqa_decode": [decode_case(gen, b, a.full_contexts) for b in a.batches]}
+    cases = {"mqa_logits": [prefill_case(gen)], "mqa_decode": [decode_case(gen, b, a.full_contexts, ps=a.page_size) for b in a.batches]}
     res = {**environment(), "against": str(a.against), "launches": LAUNCHES,
            "timing": "us per call; cold: one call per CUDA-graph replay, L2 flushed before each (do_bench median); "
                      "warm: back-to-back calls in one graph (graph_ms); 3 interleaved rounds, the middle", "rows": []}
