@@ -53,10 +53,10 @@ VARIANTS = [
 ]
 
 
-def jobs(against: Path) -> list[tuple]:
+def jobs(against: Path, keys: dict) -> list[tuple]:
     # b8777bc's logits program (the version this was written against) has no min_blocks: one CTA per multiprocessor.
     drop = () if "min_blocks" in against.read_text() else ("min_blocks",)
-    return [(stage, KEYS[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p not in drop},
+    return [(stage, keys[stage], tiles if prog == "current" else {p: v for p, v in tiles.items() if p not in drop},
              None if prog == "current" else str(against)) for _, stage, prog, tiles in VARIANTS]
 
 
@@ -100,8 +100,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from mate.testing import cache_variants, compile_variant, environment, graph_ms, using_kernel
 
-    DECODE_KEY["page_size"] = a.page_size
-    todo = jobs(a.against)
+    keys = dict(KEYS, mqa_decode=dict(DECODE_KEY, page_size=a.page_size))
+    todo = jobs(a.against, keys)
     errors = cache_variants(todo, a.workers)
     for (name, *_), error in zip(VARIANTS, errors):
         print(f"compiled {name}: {error or 'ok'}", flush=True)
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
             ref = call("reference")
             rows = {}
             for (name, _, prog, tiles), kern in mine:
-                with using_kernel(stage, KEYS[stage], kern, tiles):
+                with using_kernel(stage, keys[stage], kern, tiles):
                     ptr = poisoned(shape)
                     out = call()
                     assert out.data_ptr() == ptr, "the output did not land in the poisoned block"
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
             for _ in range(3):
                 for (name, *_), kern in mine:
                     tiles = rows[name]["tiles"]
-                    with using_kernel(stage, KEYS[stage], kern, tiles):
+                    with using_kernel(stage, keys[stage], kern, tiles):
                         rows[name]["cold"].append(cold_graph_us(call, warmup=10, rep=60))
                         rows[name]["warm"].append(graph_ms(call, target_ms=2, warmup=10, rep=50) * 1e3)
             for name, r in rows.items():
