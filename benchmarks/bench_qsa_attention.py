@@ -139,9 +139,14 @@ def compare(args) -> list:
                 res[variant] = dict(rel_err=err, cold_us=cold_graph_us(call), graph_us=graph_ms(call) * 1e3)
                 if hint is not None:
                     res[variant]["hint_cold_us"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
+                elif args.splits:
+                    res[variant]["splits_us"] = {
+                        s: cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s)) for s in args.splits
+                    }
                 print(f"{name} [{variant}]: cold graph {res[variant]['cold_us']:.1f} us, back-to-back graph "
                       f"{res[variant]['graph_us']:.1f} us" + (f", block hint cold {res[variant]['hint_cold_us']:.1f} us"
-                                                              if hint is not None else ""), flush=True)
+                                                              if hint is not None else "")
+                      + "".join(f", {s} splits {t:.1f}" for s, t in res[variant].get("splits_us", {}).items()), flush=True)
             cases.append(res)
     if args.profile:
         return cases
@@ -155,7 +160,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64, 256])
     ap.add_argument("--prefill-rows", type=int, default=4096)
-    ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--splits", type=int, nargs="*", default=None,
+                    help="decode split counts also timed (default 1 2 4 8 16 32; with --variants none unless given)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
     ap.add_argument("--profile", action="store_true", help="with --variants: one call each for ncu, no timing")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
@@ -165,7 +171,8 @@ def main(argv=None) -> dict:
         if args.variants:
             cases = compare(args)
         else:
-            cases = [measure(name, p, rpr, args.splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
+            splits = [1, 2, 4, 8, 16, 32] if args.splits is None else args.splits
+            cases = [measure(name, p, rpr, splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
     result = dict(environment(), cases=cases, variants=args.variants)
     write_json(args.out, result)
     return result

@@ -74,9 +74,10 @@ def nsa_backward(device, gen):
     return Problem(call, refresh)
 
 
-def _qsa_paged_rows(device, gen, rows, width, hinted):
-    """QSA's split=0 kernel over many tiles: `rows` rows of one paged request, each selecting the last `width`
-    slots of a 2051-token selection, with the block hint (then width must be 2051) if `hinted`."""
+def _qsa_paged_rows(device, gen, rows, width, hinted, splits=1):
+    """QSA over many tiles (the split=0 kernel unless `splits`, as num_splits, says otherwise): `rows` rows of
+    one paged request, each selecting the last `width` slots of a 2051-token selection, with the block hint
+    (then width must be 2051) if `hinted`."""
     import torch
 
     import mate
@@ -100,7 +101,7 @@ def _qsa_paged_rows(device, gen, rows, width, hinted):
         blocks.copy_(bi)
 
     def call(backend):
-        kw = dict(cu_seqlens_q=cu, block_table=table, return_lse=True, num_splits=1, backend=backend)
+        kw = dict(cu_seqlens_q=cu, block_table=table, return_lse=True, num_splits=splits, backend=backend)
         out = mate.qsa_sparse_attention(query, key, value, tokens, **kw)
         if not hinted:
             return out
@@ -126,8 +127,18 @@ def qsa_wide(device, gen):
     return _qsa_paged_rows(device, gen, rows, 259, False)
 
 
+def qsa_wide_split(device, gen):
+    """QSA's split kernel on a grid past one wave (the split=1, wide=1 entries: a one-stage ring, two CTAs an
+    SM, then the merge launch): qsa_wide's rows at the split count num_splits=None picks there (2)."""
+    import torch
+
+    rows = torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
+    return _qsa_paged_rows(device, gen, rows, 259, False, splits=None)
+
+
 # Cases of this script alone, beside tests/cases.py's.
-EXTRA_CASES = {"nsa_backward": nsa_backward, "qsa_prefill_chunks": qsa_prefill_chunks, "qsa_wide": qsa_wide}
+EXTRA_CASES = {"nsa_backward": nsa_backward, "qsa_prefill_chunks": qsa_prefill_chunks, "qsa_wide": qsa_wide,
+               "qsa_wide_split": qsa_wide_split}
 
 
 def all_cases() -> dict:

@@ -617,7 +617,7 @@ def test_split_heuristic_fills_one_wave():
     """num_splits=None on 132 SMs, 2051 tokens (33 tiles): the split counts the H200 sweep favoured."""
     from mate.qsa.attention import choose_splits
 
-    assert [choose_splits(rows * 2, 33, 132) for rows in (1, 8, 64, 256, 4096)] == [16, 8, 1, 1, 1]
+    assert [choose_splits(rows * 2, 33, 132) for rows in (1, 8, 64, 96, 256, 512, 4096)] == [16, 8, 1, 2, 2, 2, 1]
     assert choose_splits(1, 1, 132) == 1  # one tile is never split
 
 

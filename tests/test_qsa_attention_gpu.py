@@ -98,10 +98,11 @@ def test_physical(width, splits):
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 256])
 def test_split_decode_at_serving_shape(batch):
     """Issue #16's decode inputs (2051-token selections, 24 / 2 heads, BF16 gate): every split count merges to
-    the reference, and the same every call."""
+    the reference, and the same every call. Batch 256 (its requests share a 512-page pool) is a grid past one
+    wave: num_splits=None takes 2 splits there, the split kernel's wide entry (two CTAs an SM)."""
     p = qsa_serving_problem(torch.Generator().manual_seed(batch), batch, 1)[0]
     ref_out, ref_lse = mate.qsa_sparse_attention(**p, return_lse=True, backend="reference")
     for splits in (None, 2, 8, 9, 17, 33):

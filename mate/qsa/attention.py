@@ -479,19 +479,23 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
 
 
 def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
-    """SplitKV count for `num_splits=None`: fill one wave of CTAs (one per SM), at least 2 tiles a split.
+    """SplitKV count for `num_splits=None`, at least 2 tiles a split: up to one CTA an SM, as many splits as
+    fill that wave; past it (up to 8 CTAs an SM), 2 splits; past that (prefill), none.
 
     Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
-    82/61/45/39/59; batch 64 (128) 95/126/167/229/338; batch 256 only gets slower with splits.
-    Again with 04f8837's kernels, splits 1/2/3/4 (cold graph): batch 64 95.9/98.7/116.9/105.6, batch
-    256 228.6/267.2/279.9/289.7: two one-stage CTAs an SM (the wide=1 kernel) do not beat one deep-ring
-    CTA even where the gather alone would (benchmarks/results/NVIDIA_H200-2026-12-02-qsa-ceilings.md).
-    One CTA fits an SM (210 KB of shared memory), so a second wave costs a whole CTA's time.
-    Later, with a merge fused into the attention launch (since dropped: two launches were faster;
-    benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
+    82/61/45/39/59; batch 64 (128) 95/126/167/229/338. With a merge fused into the attention launch
+    (since dropped: two launches were faster; benchmarks/results/NVIDIA_H200-2026-12-01-qsa-issue16-decode.md,
     cold graph, splits as run): batch 1 11/17/33: 31.0/34.0/40.3; batch 8 7/11/17/33: 37.6/51.2/50.8/66.1.
+    Past one wave, since the split kernel waits on separate K and V barriers (2026-12-03; cold graph,
+    splits 1/2/3/4; batches >= 256 share a 512-page pool): batch 64 96.4/98.1/106.1/100.5, 96
+    157.7/139.3/151.8/137.7, 128 176.0/159.3/165.7/169.6, 160 262.7/208.4/205.0/207.0, 192
+    263.9/234.1/251.6/248.6, 256 227.1/221.4/232.2/241.9, 384 335.5/325.6/341.6/353.1, 512
+    440.4/421.3/443.0/457.0 (benchmarks/results/NVIDIA_H200-2026-12-03-qsa-kv-split.md): two one-stage
+    CTAs an SM with half the tiles each beat whole-row CTAs that one wave cannot hold.
     """
+    if rows_x_heads > sms:
+        return max(1, min(tiles // 2, 2 if rows_x_heads <= 8 * sms else 1))
     return max(1, min(tiles // 2, MAX_SPLITS, sms // max(1, rows_x_heads)))
 
 

@@ -22,14 +22,13 @@ into a swizzled tile only from the first warps) decodes DECODE_TILES tiles of
 token ids at a time (all their loads in flight together) into shared memory,
 then gathers each tile's K/V rows with cp.async (one 512-byte row per warp
 instruction, zero-filled for a masked token) into a ring of `num_stages`
-tiles. Each stage has a `full` mbarrier (producer -> consumer: the cp.async
-arrivals plus one plain arrival per producer thread, which also publishes the
-stage's token-valid flags) and an `empty` one (consumer -> producer); the
-split=0 kernel (prefill, wide decode) has a pair for K and a pair for V, so that
-a tile's K gather waits only for the previous S GEMM and its V gather only for
-the previous PV GEMM, and it loads the next chunk's token ids ahead. Both
-roles run the same number of tiles, zero included, so no copy is ever left in
-flight. Named barriers: TileLang's cross-warp reductions in the consumer use
+tiles. Each stage has a pair of mbarriers for K and a pair for V: `full`
+(producer -> consumer: the cp.async arrivals plus one plain arrival per
+producer thread, which for K also publishes the stage's token-valid flags) and
+`empty` (consumer -> producer), so that a tile's K gather waits only for the
+previous S GEMM and its V gather only for the previous PV GEMM; the producer
+loads the next chunk's token ids ahead. Both roles run the same number of
+tiles, zero included, so no copy is ever left in flight. Named barriers: TileLang's cross-warp reductions in the consumer use
 ids 1 and 2, so the producer syncs on 3.
 
 Where the time goes (H200, benchmarks/results/qsa_attention_h200.json): the
@@ -315,41 +314,6 @@ def _store_q(Qs, qr, group, ctx, dtype, head_tile):
 
 
 @T.macro
-def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype):
-    """Wait for a free stage, then gather tile `it`'s K/V rows into it by cp.async (zero-filled for masked
-    tokens); the full barrier counts their completion and, by each thread's arrival, the valid flags."""
-    st = it % num_stages
-    c = (it % DECODE_TILES) * TILE
-    T.barrier_wait(empty[st], ((it // num_stages) & 1) ^ 1)
-    fence()
-    if ptx < TILE:
-        valid[st, ptx] = T.if_then_else(tok_page[c + ptx] >= 0, 1, 0)
-    _gather_rows(K, Ks, tok_page, tok_slot, st, c, kvh, dtype)
-    _gather_rows(V, Vs, tok_page, tok_slot, st, c, kvh, dtype)
-    fence()
-    T.cp_async_barrier_noinc(full[st])
-    T.barrier_arrive(full[st])
-
-
-@T.macro
-def _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile):
-    """One tile of the consumer: S^T = K Q^T once the stage has landed, mask, online softmax, O^T += V^T P^T,
-    then hand the stage back."""
-    st = it % num_stages
-    T.barrier_wait(full[st], (it // num_stages) & 1)
-    fence()
-    T.fence_proxy_async()  # the cp.async writes are read by wgmma (async proxy)
-    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
-    for k, h in T.Parallel(TILE, head_tile):
-        S[k, h] = T.if_then_else(valid[st, k] != 0, S[k, h], NEG_INF)
-    softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE, head_tile)
-    publish_p_keys_as_m(S, Pf, Ps, acc, alpha, CONSUMER_BARRIER, 128, DIM, head_tile)
-    T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
-    fence()
-    T.barrier_arrive(empty[st])
-
-
-@T.macro
 def _gather_rows(X, Xs, tok_page, tok_slot, st, c, kvh, dtype):
     """Tile rows of K or V into stage st by cp.async, zero-filled for masked tokens."""
     for k, d in T.Parallel(TILE, DIM, prefer_async=True, annotations={NO_COMMIT_WAIT: True}):
@@ -359,11 +323,13 @@ def _gather_rows(X, Xs, tok_page, tok_slot, st, c, kvh, dtype):
 
 
 @T.macro
-def _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype):
-    """split=0: tile `it`'s K rows as soon as the consumer's S GEMM has freed the K stage, then its V rows once
+def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype):
+    """Tile `it`'s K rows as soon as the consumer's S GEMM has freed the K stage, then its V rows once
     its PV GEMM has freed the V stage; each half lands on its own full barrier (the valid flags ride with K).
     With one stage the next K gather overlaps the consumer's softmax and PV GEMM, and the next V gather its
-    S GEMM: one full-tile barrier serialized the tile's gather with all of the tile's math."""
+    S GEMM: one full-tile barrier serialized the tile's gather with all of the tile's math (H200: prefill 3679
+    -> 3277 us; in the split kernel, decode batch 128 / 256 at 2 splits 173 / 267 -> 159 / 221 us,
+    benchmarks/results/NVIDIA_H200-2026-12-03-qsa-kv-split.md)."""
     st = it % num_stages
     c = (it % DECODE_TILES) * TILE
     phase = ((it // num_stages) & 1) ^ 1
@@ -384,11 +350,11 @@ def _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_
 
 
 @T.macro
-def _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, row, ptx, kvh,
+def _produce(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, row, ptx, kvh,
                 n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS,
                 producers):
-    """split=0 producer: the token ids of chunk n + 1 are loaded while chunk n is gathered (a chunk's page
-    lookups wait only for block_table, not for token_indices first), then tiles go out by _gather_tile_kv."""
+    """The producer: the token ids of chunk n + 1 are loaded while chunk n is gathered (a chunk's page
+    lookups wait only for block_table, not for token_indices first), then tiles go out by _gather_tile."""
     _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB, producers)
     for it in T.serial(n_tiles):
         if it % DECODE_TILES == 0:
@@ -399,13 +365,13 @@ def _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_
             _decode_tokens(TI, BI, tok, row, it + DECODE_TILES, ptx, first, last, block_slots, blocks, NB, producers)
             T.sync_threads(PRODUCER_BARRIER, producers)
             fence()
-        _gather_tile_kv(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype)
+        _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, it, ptx, kvh, num_stages, dtype)
 
 
 @T.macro
-def _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile):
-    """split=0: _attend_tile on separate K and V barriers; the K stage (and its valid flags) is handed back
-    right after the masked scores, before the softmax."""
+def _attend_tile(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile):
+    """One tile of the consumer: S^T = K Q^T once the K stage has landed, mask, hand the K stage (and its valid
+    flags) back, online softmax, then O^T += V^T P^T once the V stage has landed, and hand it back."""
     st = it % num_stages
     phase = (it // num_stages) & 1
     T.barrier_wait(k_full[st], phase)
@@ -561,7 +527,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
             Vs = T.alloc_shared((num_stages, TILE, DIM), dtype)
             Ps = T.alloc_shared((TILE, head_tile), dtype)
             if split:
-                # unpadded: at 3 stages a padded one (4-way bank conflicts gone) passes 227 KB by 824 B
+                # unpadded: at 3 stages a padded one (4-way bank conflicts gone) passes 227 KB
                 Os = T.alloc_shared((head_tile, DIM), "float32")
                 if cluster:
                     ls = T.alloc_local((cluster,), "float32")
@@ -572,20 +538,16 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
             tok_slot = T.alloc_shared((DECODE_TILES * TILE,), "int32", scope="shared")
             if cluster:
                 # on the ring's token flags, dead once both roles are past their loops: 64 B of its own would pass
-                # the 227 KB by 64 at 3 stages
+                # the 227 KB at 3 stages
                 Ls = T.view(valid, (num_stages * TILE,), "float32")
             tok = T.alloc_local((per_thread,), "int32")
             pg = T.alloc_local((per_thread,), "int32")
             qr = T.alloc_local((head_tile * DIM // 128,), dtype)  # split: the consumer's Q elements (_load_q)
             counts = T.alloc_shared((2,), "int32", scope="shared")
-            if split:
-                full = T.alloc_barrier([2 * producers] * num_stages)
-                empty = T.alloc_barrier([128] * num_stages)
-            else:
-                k_full = T.alloc_barrier([2 * producers] * num_stages)
-                k_empty = T.alloc_barrier([128] * num_stages)
-                v_full = T.alloc_barrier([2 * producers] * num_stages)
-                v_empty = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([2 * producers] * num_stages)
+            k_empty = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([2 * producers] * num_stages)
+            v_empty = T.alloc_barrier([128] * num_stages)
             S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
             b = T.alloc_var("int32")
             local = T.alloc_var("int32")
@@ -624,22 +586,9 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
             if tx < producers:
                 # ---------------- producer
                 ptx = tx
-                if split:
-                    for it in T.serial(n_tiles):
-                        if it % DECODE_TILES == 0:
-                            # every producer thread is done reading the previous chunk's addresses
-                            T.sync_threads(PRODUCER_BARRIER, producers)
-                            fence()
-                            _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots, blocks, NB, producers)
-                            _token_addresses(BT, tok, pg, tok_page, tok_slot, ptx, bs, paged, live, limit, pos, row_mode, P, PS,
-                                             producers)
-                            T.sync_threads(PRODUCER_BARRIER, producers)
-                            fence()
-                        _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, full, empty, it, ptx, kvh, num_stages, dtype)
-                else:
-                    _produce_kv(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty,
-                                row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
-                                num_stages, dtype, NB, P, PS, producers)
+                _produce(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty,
+                            row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
+                            num_stages, dtype, NB, P, PS, producers)
             else:
                 # ---------------- consumer
                 if split:
@@ -655,11 +604,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
                 T.fill(m_cur, M_FLOOR)
                 scale_log2 = scale * LOG2E
                 for it in T.serial(n_tiles):
-                    if split:
-                        _attend_tile(Ks, Vs, Qs, Ps, valid, full, empty, S, rowsum, Pf, acc, m_cur, m_prev, alpha, it, scale_log2, num_stages, head_tile)
-                    else:
-                        _attend_tile_kv(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
-                                        m_prev, alpha, it, scale_log2, num_stages, head_tile)
+                    _attend_tile(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
+                                    m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if cluster:
                     _stage_partial(Os, Ls, acc, m_cur, l_sum, alpha, scale, head_tile)

@@ -18,11 +18,11 @@ def attention_smem(spec: dict, t: dict) -> int:
     """Shared memory of one CTA in bytes, as the program lays it out (the generated CUDA agrees, 16-byte
     alignment of the static buffers aside): Q and P tiles, the K/V ring, the max and sum reductions'
     scratch (never merged: PASS_CONFIGS), the split kernel's [heads, DIM] FP32 output staging; static: the ring's token-valid flags, the decoded token
-    lists (page and slot), two counts, a full and an empty mbarrier per stage."""
+    lists (page and slot), two counts, a full and an empty mbarrier for K and for V per stage."""
     ht, ns = t["head_tile"], t["num_stages"]
     smem = itemsize(spec["dtype"]) * (ht * DIM + 2 * ns * TILE * DIM + TILE * ht) + 2 * reduction_scratch(CONSUMER_THREADS, ht)
     smem += 4 * ht * DIM if spec.get("split") else 0  # the split kernel's FP32 output staging (_store_partial)
-    return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 2 * ns * 8
+    return smem + ns * TILE * 4 + 2 * DECODE_TILES * TILE * 4 + 2 * 4 + 4 * ns * 8
 
 
 def _attention_limits(spec, t):
