@@ -248,13 +248,28 @@ def test_gqa_split_kv_ring_depths_finish_back_to_back_launches():
     _run("gqa_decode", decode_rings())
 
 
+# QSA's split kernel (hand-synchronized: K and V each on a full / empty mbarrier pair a stage) at the ring
+# depths of its space that the config does not ship (it ships 3 for the narrow key, 1 for the wide one), on
+# the card's quick workload of each key.
+def qsa_split_rings() -> list:
+    shipped = {key: tiles["num_stages"] for key, tiles in _dispatch.load_config("sm90")["qsa_attention"].items()}
+    return [(key, dict(head_tile=16, num_stages=s, producers=256 if key.endswith("wide=0") else 128))
+            for key in ("dtype=bfloat16,split=1,wide=0", "dtype=bfloat16,split=1,wide=1")
+            for s in _dispatch.STAGES["qsa_attention"].space["num_stages"] if s != shipped[key]]
+
+
+def test_qsa_split_kernel_ring_depths_finish_back_to_back_launches():
+    _run("qsa_attention", qsa_split_rings())
+
+
 def variant_kernels() -> list:
     """(stage, key, tiles) of every kernel outside the config these tests launch: compiled at first use, one
     after another in a test's process, they took the stress tests past a 360 s suite limit on the H200
     (2026-12-01), so scripts/gpu-suite.sh compiles them in parallel first (`python tests/test_stress_gpu.py`)."""
     return ([(stage, key, tiles) for stage, cases in ONE_STAGE.items() for key, tiles in cases]
             + [(stage, BACKWARD_KEY, tiles) for stage, tiles in ring_variants()]
-            + [("gqa_decode", key, tiles) for key, tiles in decode_rings()])
+            + [("gqa_decode", key, tiles) for key, tiles in decode_rings()]
+            + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()])
 
 
 if __name__ == "__main__":
