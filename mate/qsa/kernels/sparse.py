@@ -28,8 +28,9 @@ producer thread, which for K also publishes the stage's token-valid flags) and
 `empty` (consumer -> producer), so that a tile's K gather waits only for the
 previous S GEMM and its V gather only for the previous PV GEMM; the producer
 loads the next chunk's token ids ahead. Both roles run the same number of
-tiles, zero included, so no copy is ever left in flight. Named barriers: TileLang's cross-warp reductions in the consumer use
-ids 1 and 2, so the producer syncs on 3.
+tiles, zero included, so no copy is ever left in flight. Named barriers:
+TileLang's cross-warp reductions in the consumer use ids 1 and 2, so the
+producer syncs on 3.
 
 Where the time goes (H200, benchmarks/results/qsa_attention_h200.json): the
 consumer is latency-bound at about 1.4 us per 64-token tile (32 wgmmas of
@@ -351,8 +352,8 @@ def _gather_tile(K, V, Ks, Vs, valid, tok_page, tok_slot, k_full, k_empty, v_ful
 
 @T.macro
 def _produce(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty, row, ptx, kvh,
-                n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS,
-                producers):
+             n_tiles, first, last, block_slots: T.Ref, blocks, bs, paged, live, limit, pos, row_mode, num_stages, dtype, NB, P, PS,
+             producers):
     """The producer: the token ids of chunk n + 1 are loaded while chunk n is gathered (a chunk's page
     lookups wait only for block_table, not for token_indices first), then tiles go out by _gather_tile."""
     _decode_tokens(TI, BI, tok, row, 0, ptx, first, last, block_slots, blocks, NB, producers)
@@ -587,8 +588,8 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
                 # ---------------- producer
                 ptx = tx
                 _produce(TI, BI, BT, K, V, Ks, Vs, valid, tok, pg, tok_page, tok_slot, k_full, k_empty, v_full, v_empty,
-                            row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
-                            num_stages, dtype, NB, P, PS, producers)
+                         row, ptx, kvh, n_tiles, first, last, block_slots, blocks, bs, paged, live, limit, pos, row_mode,
+                         num_stages, dtype, NB, P, PS, producers)
             else:
                 # ---------------- consumer
                 if split:
@@ -605,7 +606,7 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
                 scale_log2 = scale * LOG2E
                 for it in T.serial(n_tiles):
                     _attend_tile(Ks, Vs, Qs, Ps, valid, k_full, k_empty, v_full, v_empty, S, rowsum, Pf, acc, m_cur,
-                                    m_prev, alpha, it, scale_log2, num_stages, head_tile)
+                                 m_prev, alpha, it, scale_log2, num_stages, head_tile)
                 T.reduce_sum(rowsum, l_sum, dim=0, batch=head_tile // 4)
                 if cluster:
                     _stage_partial(Os, Ls, acc, m_cur, l_sum, alpha, scale, head_tile)
