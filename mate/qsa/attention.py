@@ -492,7 +492,8 @@ def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     157.7/139.3/151.8/137.7, 128 176.0/159.3/165.7/169.6, 160 262.7/208.4/205.0/207.0, 192
     263.9/234.1/251.6/248.6, 256 227.1/221.4/232.2/241.9, 384 335.5/325.6/341.6/353.1, 512
     440.4/421.3/443.0/457.0 (benchmarks/results/NVIDIA_H200-2026-12-03-qsa-kv-split.md): two one-stage
-    CTAs an SM with half the tiles each beat whole-row CTAs that one wave cannot hold.
+    CTAs an SM with half the tiles each beat whole-row CTAs that one wave cannot hold. At 12 / 1 heads (one
+    tensor-parallel rank; same file) the rule's count was the fastest timed at rows 64 / 128 / 256 / 512.
     """
     if rows_x_heads > sms:
         return max(1, min(tiles // 2, 2 if rows_x_heads <= 8 * sms else 1))
