@@ -118,22 +118,24 @@ def qsa_prefill_chunks(device, gen):
     return _qsa_paged_rows(device, gen, 3, 4 * 512 + 3, True)
 
 
-def qsa_wide(device, gen):
-    """QSA's split=0 kernel for grids of two CTAs an SM (the `wide` entries: a one-stage K and V ring, which
-    qsa_prefill_chunks' three rows do not reach): a row an SM (two KV heads), 259-slot selections (5 tiles)."""
+def _qsa_row_an_sm(device, gen, splits):
+    """A row an SM (two KV heads), 259-slot selections (5 tiles), at num_splits=`splits`."""
     import torch
 
     rows = torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
-    return _qsa_paged_rows(device, gen, rows, 259, False)
+    return _qsa_paged_rows(device, gen, rows, 259, False, splits)
+
+
+def qsa_wide(device, gen):
+    """QSA's split=0 kernel for grids of two CTAs an SM (the `wide` entries: a one-stage K and V ring, which
+    qsa_prefill_chunks' three rows do not reach)."""
+    return _qsa_row_an_sm(device, gen, 1)
 
 
 def qsa_wide_split(device, gen):
     """QSA's split kernel on a grid past one wave (the split=1, wide=1 entries: a one-stage ring, two CTAs an
     SM, then the merge launch): qsa_wide's rows at the split count num_splits=None picks there (2)."""
-    import torch
-
-    rows = torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
-    return _qsa_paged_rows(device, gen, rows, 259, False, splits=None)
+    return _qsa_row_an_sm(device, gen, None)
 
 
 # Cases of this script alone, beside tests/cases.py's.

@@ -252,10 +252,12 @@ def test_gqa_split_kv_ring_depths_finish_back_to_back_launches():
 # depths of its space that the config does not ship (it ships 3 for the narrow key, 1 for the wide one), on
 # the card's quick workload of each key.
 def qsa_split_rings() -> list:
-    shipped = {key: tiles["num_stages"] for key, tiles in _dispatch.load_config("sm90")["qsa_attention"].items()}
-    return [(key, dict(head_tile=16, num_stages=s, producers=256 if key.endswith("wide=0") else 128))
-            for key in ("dtype=bfloat16,split=1,wide=0", "dtype=bfloat16,split=1,wide=1")
-            for s in _dispatch.STAGES["qsa_attention"].space["num_stages"] if s != shipped[key]]
+    out = []
+    for key in ("dtype=bfloat16,split=1,wide=0", "dtype=bfloat16,split=1,wide=1"):
+        shipped = _dispatch.tiles("qsa_attention", _dispatch.parse_key(key), "sm90")
+        out += [(key, dict(shipped, num_stages=s))
+                for s in _dispatch.STAGES["qsa_attention"].space["num_stages"] if s != shipped["num_stages"]]
+    return out
 
 
 def test_qsa_split_kernel_ring_depths_finish_back_to_back_launches():

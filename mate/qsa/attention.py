@@ -480,7 +480,7 @@ def _rows(name: str, x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
 
 def choose_splits(rows_x_heads: int, tiles: int, sms: int) -> int:
     """SplitKV count for `num_splits=None`, at least 2 tiles a split: up to one CTA an SM, as many splits as
-    fill that wave; past it (up to 8 CTAs an SM), 2 splits; past that (prefill), none.
+    fill that wave; past it (up to 8 row-heads an SM), 2 splits; past that (prefill), none.
 
     Measured on the H200 (benchmarks/results/qsa_attention_h200.json, 2051 tokens = 33 tiles a row,
     times in us for splits 1/2/4/8/16): batch 1 (2 row-heads) 82/60/43/35/34; batch 8 (16)
