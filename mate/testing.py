@@ -536,9 +536,12 @@ def commit() -> str:
 
 
 def environment() -> dict:
-    """What a result needs to be reproduced: GPU, commit, date, versions and the command line."""
-    import tilelang
-
+    """What a result needs to be reproduced: GPU, commit, date, versions and the command line (tilelang None
+    where it is not installed: a baseline's run on a GPU host without TileLang's bundle)."""
+    try:
+        import tilelang
+    except ImportError:
+        tilelang = None
     return dict(
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         commit=commit(),
@@ -546,7 +549,7 @@ def environment() -> dict:
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         torch=torch.__version__,
         cuda=torch.version.cuda,
-        tilelang=tilelang.__version__,
+        tilelang=tilelang and tilelang.__version__,
     )
 
 
