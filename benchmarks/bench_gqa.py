@@ -160,14 +160,10 @@ def options(args) -> dict:
                                                  sliding_window=(-1, 0), out=outv))
     add(dict(case="varlen 16 x 1024 causal", ms=varlen, tflops=flops / varlen / 1e9, vs_padded=varlen / padded,
              err_vs_padded=rel_err(outv.view_as(outp), outp)))
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
     qt, kt, vt = (x.transpose(1, 2) for x in (qp, kp, vp))
 
     def run_cudnn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        return cudnn_causal(qt, kt, vt)
 
     try:
         cms = timed_ms(run_cudnn)
@@ -214,6 +210,14 @@ def decode_bytes(q, table, lens, ctx: int, window) -> int:
     nd, sq, _, d = q.shape
     keys = ctx if window[0] < 0 else min(ctx, window[0] + sq)
     return nd * HKV * keys * d * 2 * 2 + 2 * q.numel() * 2 + table.numel() * 4 + lens.numel() * 4
+
+
+def cudnn_causal(qt, kt, vt, gqa: bool = True):
+    """Causal torch SDPA with the cuDNN backend only, over [B, H, S, D] (gqa: K/V with fewer heads)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
 
 
 def first_sdpa(qt, kt, vt):
@@ -406,17 +410,11 @@ def main(argv=None):
                                    err_vs_flex=rel_err(mate_out, ref.transpose(1, 2)))
 
                     if (left, right) == (-1, 0):
-                        from torch.nn.attention import SDPBackend, sdpa_kernel
-                        import torch.nn.functional as F
-
                         kx, vx = kt, vt
                         gqa = True
 
                         def run_cudnn():
-                            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                                if gqa:
-                                    return F.scaled_dot_product_attention(qt, kx, vx, is_causal=True, enable_gqa=True)
-                                return F.scaled_dot_product_attention(qt, kx, vx, is_causal=True)
+                            return cudnn_causal(qt, kx, vx, gqa)
 
                         try:
                             ref = run_cudnn()

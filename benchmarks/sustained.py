@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_gqa import visible_pairs  # noqa: E402
+from bench_gqa import cudnn_causal, visible_pairs  # noqa: E402
 from common import RESULTS, environment, rel_err, write_json  # noqa: E402
 import mate  # noqa: E402
 
@@ -54,14 +54,7 @@ def implementation(name: str, window):
     if name == "mate":
         return lambda q, k, v: mate.gqa_attention(q, k, v, sliding_window=window)
     if name == "cudnn" and dense:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def cudnn(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
-            return o.transpose(1, 2)
-        return cudnn
+        return lambda q, k, v: cudnn_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     if name == "fa3" and dense:
         from fa3_fwd_interface import flash_attn_func
 
