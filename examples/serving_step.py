@@ -14,12 +14,16 @@ table: a page holds 64 tokens, i.e. 16 compressed keys.
 On a Hopper GPU the whole step is captured once in a CUDA graph and replayed
 after the next token arrives (new inputs and lengths in the same buffers);
 each stage of the replay is compared with the reference backend on the same
-inputs. Elsewhere the step runs with the reference backend and is compared
-with a naive computation written out below.
+inputs. With --compile, torch.compile(mode="reduce-overhead", fullgraph=True)
+makes the graph instead: mate's first native calls are made inside the compiled
+step (its warm-up run), which then records and replays. Elsewhere the step runs
+with the reference backend and is compared with a naive computation written out below.
 
-    python examples/serving_step.py
+    python examples/serving_step.py [--compile]
 """
 
+import argparse
+import functools
 import math
 
 import torch
@@ -70,7 +74,10 @@ def naive_attention(q, key, value, gate, table, seq_lens, tokens):
     return torch.stack(rows)[:, None]
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="One QSA decode step of a server, captured in a CUDA graph and replayed.")
+    ap.add_argument("--compile", action="store_true", help='make the graph with torch.compile(mode="reduce-overhead")')
+    compiled = ap.parse_args(argv).compile
     device, backend, what = where_to_run()
     print(f"serving step: {what}")
     gen = torch.Generator().manual_seed(0)
@@ -103,15 +110,22 @@ def main():
         report("attention output", out, naive_attention(q, key, value, gate, table, seq_lens, tokens), "naive softmax", 1e-2)
         return
 
-    # Warm up (compiles each kernel once) on a side stream, then capture the step.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(backend, *args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits, tokens, out = step(backend, *args)
+    if compiled:
+        # torch.compile's CUDA graphs: the first call warms up (compiling each kernel, inside the compiled step), the
+        # second records the graph, the next ones replay it.
+        replay = torch.compile(functools.partial(step, backend), mode="reduce-overhead", fullgraph=True)
+        for _ in range(2):
+            replay(*args)
+    else:
+        # Warm up (compiles each kernel once) on a side stream, then capture the step.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(backend, *args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits, tokens, out = step(backend, *args)
 
     # The next token of every request arrives: new queries, one more token in the caches, lengths + 1.
     seq_lens += 1
@@ -122,9 +136,13 @@ def main():
         key[page, slot], value[page, slot] = rand(HKV, DIM), rand(HKV, DIM)
         if (n + 1) % 4 == 0:
             index_cache[table[b, n // PAGE], (n // 4) % (PAGE // 4)] = rand(DIM_IDX)
-    graph.replay()
+    if compiled:
+        logits, tokens, out = replay(*args)
+    else:
+        graph.replay()
     torch.cuda.synchronize()
-    print(f"  captured the step in a CUDA graph and replayed it for the next token ({[n + 1 for n in lens]} tokens)")
+    how = 'with torch.compile(mode="reduce-overhead")' if compiled else "in a CUDA graph"
+    print(f"  captured the step {how} and replayed it for the next token ({[n + 1 for n in lens]} tokens)")
     ref_logits = mate.qsa_mqa_decode(q_idx, index_cache, table, seq_lens // 4, logits.shape[1], backend="reference")
     report("indexer logits", logits, ref_logits, "backend='reference'", 1e-4)
     ref_out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_table=table, seq_lens_k=seq_lens, gate=gate,

@@ -4,21 +4,25 @@ The route of every native call: `backend(...)` → `target_of(device)` → `kern
 which looks up the stage's tile parameters for `spec` in `configs/<target>.yaml`,
 builds the TileLang program and compiles it once per process (TileLang's disk
 cache, `TILELANG_CACHE_DIR`, carries compiled kernels across processes).
+
+Safe from many threads: every lazily built global here is built once, the other threads waiting for it
+(TileLang and the kernel modules are imported under _stage.import_native's lock; a kernel is compiled by
+its first caller while the other callers of that kernel wait, and different kernels compile at once). A
+native call launches on the caller's current stream (TVM-FFI takes torch's current stream of the first
+CUDA tensor argument's device), and keeps no device tensor past the call (see `Placeholders`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-import sys
 import threading
 from pathlib import Path
 
 import torch
 import yaml
 
-from mate._stage import Stage
+from mate._stage import Stage, import_native
 from mate.nsa.kernels import selection_bwd_card, selection_card
 from mate.qsa.kernels import mqa_card, sparse_card
 from mate.swa.kernels import gqa_card, gqa_decode_card
@@ -53,14 +57,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 
 
 class _LazyModule:
-    """A module imported at its first attribute access. Every read goes to the module as it is now (a
-    sys.modules lookup once imported), so a patched or reloaded kernel module is what the API sees."""
+    """A module imported at its first attribute access (once, whichever thread comes first: import_native).
+    Every read goes to the module as it is now, so a patched or reloaded kernel module is what the API sees."""
 
     def __init__(self, name: str):
         self._name = name
 
     def __getattr__(self, attr):
-        return getattr(sys.modules.get(self._name) or importlib.import_module(self._name), attr)
+        return getattr(import_native(self._name), attr)
 
 
 def lazy_module(name: str) -> _LazyModule:
@@ -138,6 +142,7 @@ def validate_config(data, path) -> dict:
     return data
 
 
+# The functools.cache functions below are pure: two first calls at once both compute the same value and one is kept.
 @functools.cache
 def load_config(target: str) -> dict:
     path = config_dir() / f"{target}.yaml"
@@ -200,19 +205,28 @@ def target_of(x: torch.Tensor, name: str) -> str:
 # ---------------------------------------------------------------- kernels
 
 _kernels: dict = {}
-_lock = threading.Lock()
+_compiling: dict = {}  # kernel key -> the lock its first caller compiles it under (its other callers wait on it)
+_lock = threading.Lock()  # guards _compiling
+# TileLang compiles programs from several threads at once (its own par_compile does), but builds them one at a
+# time (the programs' Python is run under TVM's IR builder).
+_build_lock = threading.Lock()
 
 
 def _program(stage: str, spec: dict, target: str, tile_values: dict | None, card=None):
     values = tiles(stage, spec, target) if tile_values is None else tile_values
-    return (card or STAGES[stage]).build(**spec, **values)
+    with _build_lock:
+        return (card or STAGES[stage]).build(**spec, **values)
 
 
 def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None, card=None):
     """Build and compile one specialization (used by dispatch, mate-precompile, the CI compile check and tuning);
-    `card`: another version of the stage's card in its place (mate.testing.compile_variant)."""
-    import tilelang
+    `card`: another version of the stage's card in its place (mate.testing.compile_variant).
 
+    TileLang's disk cache is safe for processes compiling the same kernel at once: each writes its entry into a
+    staging directory of its own (every file through a temporary name, fsynced, with a manifest of sizes and
+    SHA-256 hashes) and renames it into place in one step, the first rename winning; a load checks the
+    manifest and recompiles an entry that fails it. So mate adds no file lock."""
+    tilelang = import_native("tilelang")
     card = card or STAGES[stage]
     program = _program(stage, spec, target, tile_values, card)
     return tilelang.compile(program, target=TARGETS[target][1], pass_configs=card.pass_config_dict())
@@ -220,9 +234,7 @@ def compile_program(stage: str, spec: dict, target: str, tile_values: dict | Non
 
 def lower_program(stage: str, spec: dict, target: str, tile_values: dict | None = None) -> str:
     """The CUDA source TileLang generates for one specialization, without nvcc (about 60% of a compile's time)."""
-    import tilelang
-    import tvm
-
+    tilelang, tvm = import_native("tilelang"), import_native("tvm")
     program = _program(stage, spec, target, tile_values)
     # The pass options tilelang.compile would use: the program's own, overridden by the stage's.
     config = dict(program.attrs["tilelang_pass_configs"]) if program.attrs and "tilelang_pass_configs" in program.attrs else {}
@@ -238,11 +250,14 @@ def kernel(stage: str, spec: dict, target: str, **options):
     `options` are compile-time arguments of the program that are not config keys (gqa_fwd's varlen,
     sinks, softcap): such a variant takes the tiles of its specialization's entry.
     Config files are read once per process; `clear_caches()` makes the next call read them again.
+    A call launches it on the current stream of the device of its first CUDA tensor argument.
     """
     key = (stage, tuple(spec.items()), target, tuple(options.items()))
     k = _kernels.get(key)
     if k is None:
         with _lock:
+            pending = _compiling.setdefault(key, threading.Lock())
+        with pending:
             k = _kernels.get(key)
             if k is None:
                 values = {**tiles(stage, spec, target), **options} if options else None
@@ -258,13 +273,21 @@ def clear_caches() -> None:
     _kernels.clear()
 
 
-_placeholders: dict = {}
+class Placeholders:
+    """One call's 1-element stand-ins for absent optional kernel buffers (the kernel's flags say it never reads or
+    writes them): `Placeholders(device)(dtype, ndim)`, views of one 4-byte allocation made at the first need.
 
+    Made per call, never kept: a device tensor kept across calls and made at a first call inside a CUDA graph
+    capture (or torch.compile's cudagraph warm-up, which allocates from the graph's pool too) would be the
+    graph's memory, which torch.compile refuses and a freed graph hands to others."""
 
-def placeholder(device, dtype, ndim: int) -> torch.Tensor:
-    """A cached 1-element stand-in for an absent optional kernel buffer (the kernel's flags say it is never read)."""
-    key = (device, dtype, ndim)
-    x = _placeholders.get(key)
-    if x is None:
-        x = _placeholders[key] = torch.zeros((1,) * ndim, dtype=dtype, device=device)
-    return x
+    def __init__(self, device):
+        self._device, self._base, self._views = device, None, {}
+
+    def __call__(self, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+        x = self._views.get((dtype, ndim))
+        if x is None:
+            if self._base is None:
+                self._base = torch.empty(1, dtype=torch.int32, device=self._device)
+            x = self._views[dtype, ndim] = self._base.view(dtype)[:1].view((1,) * ndim)
+        return x

@@ -1,5 +1,6 @@
 """Hopper (sm_90a) resource limits that the stage cards' resource models check a tile candidate against."""
 
+import contextlib
 import ctypes
 import functools
 
@@ -50,6 +51,8 @@ class _DriverError(RuntimeError):
     pass
 
 
+# Built once per key; two first calls at once may both ask the driver (each on its own thread's context stack),
+# and get the same answer.
 @functools.cache
 def whole_sm_clusters(index: int, cluster: int) -> int:
     """How many clusters of `cluster` CTAs that each fill an SM (227 KB of shared memory) device `index`
@@ -61,19 +64,40 @@ def whole_sm_clusters(index: int, cluster: int) -> int:
     if not 1 <= cluster <= MAX_CLUSTER:
         return 0
     try:
-        return _max_active_clusters(index, cluster)
+        with relaxed_capture():  # a first call may come inside a CUDA graph capture
+            return _max_active_clusters(index, cluster)
     except (OSError, _DriverError) as e:
         PROBE_ERROR = str(e)
         return 0
 
 
-def _max_active_clusters(index: int, cluster: int) -> int:
-    cuda = ctypes.CDLL("libcuda.so.1")
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
 
-    def call(name, *args):
-        rc = getattr(cuda, name)(*args)
-        if rc:
-            raise _DriverError(f"{name} returned CUDA error {rc}")
+
+def _driver(name, *args):
+    rc = getattr(_libcuda(), name)(*args)
+    if rc:
+        raise _DriverError(f"{name} returned CUDA error {rc}")
+
+
+@contextlib.contextmanager
+def relaxed_capture():
+    """Inside, this thread may make the CUDA calls that a graph capture in progress forbids in its default (global)
+    mode, here or in any other thread: the cluster probe's (made inside torch.cuda.graph without this, they
+    invalidate the capture: H200, driver 580). Nothing of it goes into the graph; the thread's mode is restored after."""
+    mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+    _driver("cuInit", 0)
+    _driver("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
+    try:
+        yield
+    finally:
+        _driver("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
+
+
+def _max_active_clusters(index: int, cluster: int) -> int:
+    cuda, call = _libcuda(), _driver
 
     class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
         _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("dims", ctypes.c_uint * 3),

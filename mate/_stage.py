@@ -3,8 +3,29 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
+
+# The first import of TileLang and of each kernel module runs once, in the thread that asks first, while the
+# others wait. Python's import machinery alone does not do that: a module is in sys.modules from the moment
+# its import starts (a thread reading it there meanwhile gets it half initialised), and a submodule's import
+# does not wait for its package's (TileLang puts TVM on sys.path during its own import: another thread's
+# `import tilelang.language` meanwhile finds no `tvm`). An RLock: a kernel module's import imports TileLang.
+_import_lock = threading.RLock()
+_imported: set[str] = set()
+
+
+def import_native(name: str):
+    """The module `name` (a kernel module, `tilelang`, `tvm`), imported by the first caller, the others waiting; then
+    the module as it is now in sys.modules (patched or reloaded, that is what the caller sees)."""
+    module = sys.modules.get(name) if name in _imported else None
+    if module is None:
+        with _import_lock:
+            module = importlib.import_module(name)
+            _imported.add(name)
+    return module
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,7 @@ class Stage:
         return tuple(self.space)
 
     def build(self, **kwargs):
-        return getattr(importlib.import_module(self.module), self.program)(**kwargs)
+        return getattr(import_native(self.module), self.program)(**kwargs)
 
     def pass_config_dict(self) -> dict | None:
-        return dict(getattr(importlib.import_module(self.module), self.pass_configs)) if self.pass_configs else None
+        return dict(getattr(import_native(self.module), self.pass_configs)) if self.pass_configs else None

@@ -1,5 +1,8 @@
 """Shared test helpers."""
 
+import threading
+import traceback
+
 import torch
 
 from mate.testing import capture_graph  # noqa: F401  (the tests capture graphs as the benchmarks do)
@@ -23,3 +26,23 @@ def assert_scores_match(out, ref, rtol=1e-4):
         a, b = out[fin].double(), ref[fin].double()
         err = (a - b).norm() / b.norm().clamp_min(1e-30)
         assert err <= rtol, f"relative error {err:.3e}"
+
+
+def at_once(work, n: int) -> list[str]:
+    """work(i) for i < n in n threads released together (a threading.Barrier), as a server's first calls come; the
+    tracebacks of those that raised."""
+    barrier, failures = threading.Barrier(n), []
+
+    def run(i):
+        barrier.wait()
+        try:
+            work(i)
+        except Exception:
+            failures.append(f"thread {i}: {traceback.format_exc()}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures

@@ -42,12 +42,14 @@ def _describe(x, inputs: list[torch.Tensor]):
 
 
 @contextlib.contextmanager
-def recording(records: list, inputs: list):
+def recording(records: list, inputs: list, describe=_describe):
+    """Inside, the native paths launch nothing and append each launch to `records`, every argument as
+    `describe(argument, inputs)` gives it."""
     from mate import _dispatch
 
     def kernel(stage, spec, target, **options):  # options: gqa_attention's variants (varlen, sinks, softcap)
         def launch(*args):
-            records.append(dict(stage=stage, spec={**spec, **options}, target=target, args=[_describe(a, inputs) for a in args]))
+            records.append(dict(stage=stage, spec={**spec, **options}, target=target, args=[describe(a, inputs) for a in args]))
 
         return launch
 

@@ -36,3 +36,16 @@ def test_readme_tour_runs_on_the_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["torch.Size([1,", "256,", "16,", "128])", "torch.Size([2,", "1,", "24,", "256])",
                                    "torch.Size([8,", "24,", "256])"]
+
+
+@pytest.mark.gpu
+def test_serving_step_under_torch_compile():
+    """The serving step made a CUDA graph by torch.compile(mode="reduce-overhead", fullgraph=True): mate's first native
+    calls run inside the compiled step (its warm-up), then it records and replays for the next token."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serving_step.py"), "--compile"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    checks = [line for line in proc.stdout.splitlines() if "relative error" in line]
+    assert 'torch.compile(mode="reduce-overhead")' in proc.stdout and len(checks) == 2 and all("(ok," in c for c in checks), proc.stdout

@@ -267,7 +267,7 @@ def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     # Without block_counts the kernel never reads its counts argument; any int32 [B, M, G] view will do;
     # likewise the sequence starts without cu_seqlens.
     counts = block_counts if block_counts is not None else p.block_indices[..., 0]
-    starts = _sequence_starts(p.cu_seqlens, M)[1] if p.cu_seqlens is not None else _dispatch.placeholder(q.device, torch.int32, 1)
+    starts = _sequence_starts(p.cu_seqlens, M)[1] if p.cu_seqlens is not None else _dispatch.Placeholders(q.device)(torch.int32, 1)
     kern(
         C.canonical_unit_strides(q),
         C.canonical_unit_strides(p.k),

@@ -232,6 +232,7 @@ class NativeRows(NamedTuple):
     o: torch.Tensor
     lse_rows: torch.Tensor  # the placeholder when no lse is wanted
     gate: torch.Tensor | None  # [rows, Hq, D] in the query's dtype or FP32 (merge.gate_rows)
+    stand_in: _dispatch.Placeholders  # the call's placeholders
 
 
 def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k,
@@ -547,9 +548,10 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     want_lse = return_lse or lse is not None
     if want_lse and lse is None:
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=dev)
-    lse_rows = _rows("lse", lse, lead) if want_lse else _dispatch.placeholder(dev, torch.float32, 2)
+    stand_in = _dispatch.Placeholders(dev)
+    lse_rows = _rows("lse", lse, lead) if want_lse else stand_in(torch.float32, 2)
     g = None if gate is None else merge.gate_rows(_rows("gate", gate, lead), query.dtype, (q.shape[0], *query.shape[-2:]))
-    return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g)
+    return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g, stand_in)
 
 
 def native(p: Problem):
@@ -604,8 +606,8 @@ def native(p: Problem):
     wide = rows * hkv * splits >= 2 * sms
     spec = {"dtype": str(p.query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
     attend = _dispatch.kernel(ATTENTION.name, spec, r.target, **({"cluster": cluster} if cluster else {}))
-    opt = lambda x, ndim: _dispatch.placeholder(dev, torch.int32, ndim) if x is None else x  # noqa: E731
-    g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, dev, flags)
+    opt = lambda x, ndim: r.stand_in(torch.int32, ndim) if x is None else x  # noqa: E731
+    g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, r.stand_in, flags)
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
@@ -615,5 +617,5 @@ def native(p: Problem):
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
         attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
-        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target)
+        merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target, r.stand_in)
     return result

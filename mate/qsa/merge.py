@@ -34,25 +34,24 @@ def gate_rows(gate: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return g if g.dim() == 3 else g.unsqueeze(-1).expand(shape)
 
 
-def gate_buffers(gate: torch.Tensor | None, dtype: torch.dtype, device, flags: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def gate_buffers(gate: torch.Tensor | None, dtype: torch.dtype, stand_in, flags: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The kernels' two gate buffers (G: FP32, GH: `dtype`) and flags, for a gate_rows() result or None: the gate
-    in one, a placeholder in the other."""
-    g32, gh = _dispatch.placeholder(device, torch.float32, 3), _dispatch.placeholder(device, dtype, 3)
+    in one, a placeholder (of the call's _dispatch.Placeholders `stand_in`) in the other."""
     if gate is None:
-        return g32, gh, flags
+        return stand_in(torch.float32, 3), stand_in(dtype, 3), flags
     if gate.dtype == dtype:
-        return g32, gate, flags | kernels.HAS_GATE | kernels.GATE_NATIVE
-    return gate, gh, flags | kernels.HAS_GATE
+        return stand_in(torch.float32, 3), gate, flags | kernels.HAS_GATE | kernels.GATE_NATIVE
+    return gate, stand_in(dtype, 3), flags | kernels.HAS_GATE
 
 
-def launch(partial_out, partial_lse, gate, out, lse, flags, target):
+def launch(partial_out, partial_lse, gate, out, lse, flags, target, stand_in):
     """The merge kernel on [splits, rows, heads, D] partials; gate is a gate_rows() result or None (flags gain
-    its bits here), lse may be None when flags lacks WRITE_LSE. Also the last step of SplitKV sparse attention."""
-    dev = partial_out.device
+    its bits here), lse may be None when flags lacks WRITE_LSE; stand_in: the call's _dispatch.Placeholders.
+    Also the last step of SplitKV sparse attention."""
     spec = {"pdtype": str(partial_out.dtype).removeprefix("torch."), "odtype": str(out.dtype).removeprefix("torch.")}
-    g, gh, flags = gate_buffers(gate, out.dtype, dev, flags)
+    g, gh, flags = gate_buffers(gate, out.dtype, stand_in, flags)
     _dispatch.kernel(STAGE.name, spec, target)(
-        partial_out, partial_lse, g, gh, out, _dispatch.placeholder(dev, torch.float32, 2) if lse is None else lse, flags,
+        partial_out, partial_lse, g, gh, out, stand_in(torch.float32, 2) if lse is None else lse, flags,
     )
 
 
@@ -153,7 +152,7 @@ def _native(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(p.row_shape, dtype=torch.float32, device=dev) if p.lse is None else p.lse
     if out.numel():
         g = None if p.gate is None else gate_rows(p.gate, p.dtype, p.out_shape)
-        launch(p.partial_out, p.partial_lse, g, out, lse, kernels.WRITE_LSE, p.target)
+        launch(p.partial_out, p.partial_lse, g, out, lse, kernels.WRITE_LSE, p.target, _dispatch.Placeholders(dev))
     elif lse.numel():
         lse.fill_(float("-inf"))
     return out, lse

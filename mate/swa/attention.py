@@ -140,17 +140,18 @@ def _run_native_ext(p, o) -> torch.Tensor:
                             sinks=p.sinks is not None, softcap=p.softcap is not None)
     four = (lambda x: x.unsqueeze(0)) if varlen else (lambda x: x)
     cu = C.canonical_unit_strides
-    hold = _dispatch.placeholder(q.device, torch.int32, 1)
+    stand_in = _dispatch.Placeholders(q.device)
+    hold = None if varlen else stand_in(torch.int32, 1)
     # The kernel reads offsets as dense vectors: a strided view goes in as a copy (captured with the call).
     kern(cu(four(q)), cu(four(k)), cu(four(v)), cu(four(o)), four(lse),
          p.cu_seqlens_q.contiguous() if varlen else hold, p.cu_seqlens_k.contiguous() if varlen else hold,
-         _sinks_arg(p), *_softmax_args(p), p.max_seqlen_q if varlen else 0)
+         _sinks_arg(p, stand_in), *_softmax_args(p), p.max_seqlen_q if varlen else 0)
     return lse
 
 
-def _sinks_arg(p) -> torch.Tensor:
+def _sinks_arg(p, stand_in) -> torch.Tensor:
     """The sinks as both kernels read them: a dense vector (a strided view goes in as a copy), or a placeholder."""
-    return p.sinks.contiguous() if p.sinks is not None else _dispatch.placeholder(p.q.device, torch.float32, 1)
+    return p.sinks.contiguous() if p.sinks is not None else stand_in(torch.float32, 1)
 
 
 def _softmax_args(p) -> tuple:
@@ -160,13 +161,12 @@ def _softmax_args(p) -> tuple:
             p.scale / p.softcap if p.softcap else 0.0)
 
 
-@functools.lru_cache(maxsize=64)
-def _padded_pages(device, batch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A padded call as the split-KV kernel's metadata: row offsets b * rows, sequence b's keys as its one page
-    (k [B, Sk, H_kv, D] is a cache of B pages of Sk slots) and a key count the kernel clamps to the page."""
-    cu = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device) if rows else torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
-    return cu, table, torch.full((batch,), INT32_MAX, dtype=torch.int32, device=device)
+def _padded_rows(device, batch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded q as the split-KV kernel's metadata: the row offsets b * rows, and 0 .. batch (whose first `batch` are
+    padded k's page table). Built per call, so that a graph captures them with the call (a cache kept across calls
+    and made inside a capture would be read before its first replay filled it, or after the graph freed it)."""
+    ids = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return (ids if rows == 1 else ids * rows), ids
 
 
 @functools.lru_cache(maxsize=8)
@@ -204,10 +204,12 @@ def _run_split_kv(p, o) -> torch.Tensor:
     if varlen:
         cu_q, q_rows, rows_max = p.cu_seqlens_q.contiguous(), q, p.max_seqlen_q
     else:
-        cu_q, table, seq_lens = _padded_pages(q.device, p.batch, q.shape[1])
+        cu_q, ids = _padded_rows(q.device, p.batch, q.shape[1])
         q_rows, rows_max = q.reshape(-1, H, D), q.shape[1]
     if p.block_table is not None:
         table, seq_lens = p.block_table.contiguous(), p.seq_lens_k.contiguous()
+    else:  # padded k: sequence b's keys are page b, of Sk slots, and a key count the kernel clamps to the page
+        table, seq_lens = ids[:-1].view(p.batch, 1), torch.full((p.batch,), INT32_MAX, dtype=torch.int32, device=q.device)
     R = q_rows.shape[0]
     lse_rows = torch.empty(R, H, dtype=torch.float32, device=q.device)
     if R and (k.shape[0] == 0 or k.shape[1] == 0 or table.shape[1] == 0):  # no keys: every row sees nothing but the sink
@@ -229,7 +231,7 @@ def _run_split_kv(p, o) -> torch.Tensor:
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         cu = C.canonical_unit_strides
         _dispatch.kernel(DECODE.name, spec, p.target)(
-            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p), part_o, part_lse, cu(dst), lse_rows,
+            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p, _dispatch.Placeholders(q.device)), part_o, part_lse, cu(dst), lse_rows,
             *_softmax_args(p), splits, rows_max * group, int(p.sinks is not None), int(slots == 0))
         if slots:
             merge_attention_states(part_o, part_lse, out=dst, lse=lse_rows)
