@@ -1,193 +1,221 @@
-"""QSA sparse core attention at issue #16's serving shapes: 24 Q / 2 KV heads, D 256, BF16, page size 64,
-per-head BF16 gate, 2051-slot selections (512 random complete causal 4-token blocks in random order, expanded,
-then the row's incomplete tail block, -1 where absent).
+"""QSA sparse core attention at the serving shapes of issue 37, beside the kernels servers ship.
 
-  python benchmarks/bench_qsa_attention.py [--batches 1 8 64 256] [--prefill-rows 4096] [--splits 1 2 4 8 16 32]
-  python benchmarks/bench_qsa_attention.py --variants main=old_sparse.py new=- main_again=old_sparse.py
-  python benchmarks/bench_qsa_attention.py --batches 1 8 --prefill-rows 0 --no-cluster
+24 Q / 2 KV heads, D 256, BF16, 64-token pages in random pool order; each row selects 512 distinct complete
+causal 4-token blocks at random, in random order, expanded to 2048 tokens, then its own incomplete tail block
+(-1 where absent): 2051 slots (mate.testing.qsa_serving_problem). A per-element BF16 gate [rows, 24, 256].
 
-`--no-cluster` makes every split decode take the two launches (attention, then merge) instead of a
-cluster launch (mate.qsa.attention.cluster_splits): run it beside a plain run for the A/B.
+  decode rows=1 / 8 / 64   request r holds 32768 - 1 - (r mod 4) tokens, one row at its last position, every
+                           request its own pages (rows 64: a 4.3 GB pool)
+  decode rows=256          the requests draw their pages from a 65000-page pool (8.5 GB)
+  prefill                  the last 4096 rows of one 32768-token request
+  extra rows (--extra)     rows=256 on a 512-page pool the requests share (L2-resident); prefill with the
+                           block_indices hint; the gate per head and none (the gate's cost)
 
-`--variants NAME=FILE ...` is the same-run A/B of attention and merge programs (FILE: another version of
-mate/qsa/kernels/sparse.py with the same program signatures, `-` the shipped one; mate.testing.program_variants):
-every case is checked and timed (cold and back-to-back graph) under each in turn, in the order given, and a
-table closes the output. The baseline and the split sweep are skipped then. With `--profile`, each
-variant's checked call runs once more between cudaProfilerStart/Stop instead of being timed, for
-`ncu --profile-from-start off` (its kernels in the order variant by variant, case by case).
+  python benchmarks/bench_qsa_attention.py [--cases ...] [--upstream .gpu/upstream] [--extra] [--sweep [16/2 ...]]
+  python benchmarks/bench_qsa_attention.py --variants main=old_sparse_warp.py new=-
 
-Roofline: decode bytes / 4.3 TB/s (DRAM); prefill bytes / 20 TB/s (L2: 17 GB gathered from a
-67 MB working set).
+Every time is one call per CUDA-graph replay with L2 flushed before each (triton's do_bench median,
+`cold_us`). Each implementation's output is first checked against mate's reference backend (relative L2
+error < 1e-2; SGLang, which has no gate, against the ungated reference). Implementations: `mate` (the
+shipped dispatch), `mate-wgmma` (the warp-specialized wgmma family, mate.qsa.kernels.sparse, forced),
+and with --upstream DIR the real vLLM and SGLang Triton kernels (benchmarks/upstream_qsa.py: files
+DIR/vllm_qsa.py and DIR/sglang_qsa.py, copies of their sources, not in this repository).
+`--sweep` also times the small-CTA family's tiles (block_n x num_stages) and split counts.
+`--variants NAME=FILE ...`: the same-run A/B of small-CTA programs (FILE: another version of
+mate/qsa/kernels/sparse_warp.py, `-` the shipped one).
 
-- decode: request r holds 32768 - 1 - (r mod 4) tokens and one query row at its last position;
-  its pages are a random draw from the pool (batch >= 256: a 512-page pool the requests share;
-  otherwise each request has pages of its own);
-- prefill: one request, the last `--prefill-rows` rows of a 32768-token context, timed also with the
-  `block_indices` hint.
-
-Per case: mate (`num_splits=None`) as one call per CUDA-graph replay with L2 flushed before each
-(`cold_us`, the issue's measurement), eager with its host cost, and back-to-back graph replays
-(`graph_us`, warm L2); a PyTorch gather + SDPA baseline in the same run; for decode every split
-count of `--splits` (cold graph). Bytes = selected tokens that exist x 2 KV heads x 256 x 2 tensors
-x 2 bytes (the K/V rows gathered); FLOPs = 4 x 24 x those tokens x 256. Every mate result is
-checked against the reference first.
+Bytes = selected tokens that exist x 2 KV heads x 256 x 2 tensors x 2 bytes (the K/V rows gathered).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
+import os
 
 import torch
-import torch.nn.functional as F
-from common import PEAK_BYTES, RESULTS, cold_graph_us, environment, few_ms, figure, graph_ms, median_ms, write_json
+from common import RESULTS, cold_graph_us, environment, write_json
 
 import mate
-from mate.testing import (
-    SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem, without_cluster_launches,
-)
+from mate.qsa import attention
+from mate.testing import SERVING_D, SERVING_HKV, program_variants, qsa_serving_problem, using_tiles
 
-HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
-L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)
-REPORT = dict(stage="qsa_attention", quick=["--batches", "1", "64", "--prefill-rows", "1024", "--splits", "1", "4"], full=[])
+REPORT = dict(stage="qsa_attention", quick=["--cases", "decode1", "decode64", "--no-hbm-pools"], full=[])
 
-
-def torch_baseline(p, rows_per_req, chunk=256):
-    """Gather each row's K/V, then SDPA (GQA) per row, a chunk of rows at a time."""
-    k, v, ti, table = p["key"], p["value"], p["token_indices"].long(), p["block_table"].long()
-    req = torch.arange(ti.shape[0], device="cuda") // rows_per_req
-    out = torch.empty_like(p["query"])
-    for s in range(0, ti.shape[0], chunk):
-        t = ti[s : s + chunk]
-        page = table[req[s : s + chunk, None], t.clamp_min(0) // PAGE]
-        ks = k[page, t.clamp_min(0) % PAGE].transpose(1, 2)  # [r, Hkv, T, D]
-        vs = v[page, t.clamp_min(0) % PAGE].transpose(1, 2)
-        q = p["query"][s : s + chunk].unsqueeze(2)  # [r, Hq, 1, D]
-        mask = (t >= 0)[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True).squeeze(2)
-        out[s : s + chunk] = o * torch.sigmoid(p["gate"][s : s + chunk].float()).unsqueeze(-1).to(o.dtype)
-    return out
+CASES = {  # name -> (rows, rows a request, pool pages or None: own pages)
+    "decode1": (1, 1, None),
+    "decode8": (8, 1, None),
+    "decode64": (64, 1, None),
+    "decode256": (256, 1, 65000),
+    "prefill": (4096, 4096, None),
+}
 
 
-def checked_call(name, p):
-    """The call to time, after a check of its result against the reference; (call, relative error)."""
+@contextlib.contextmanager
+def forced_family(name):
+    """mate's dispatch with every call on one kernel family (None: the shipped choice)."""
+    if name is None:
+        yield
+        return
+    real = attention.family
+    attention.family = lambda *a: name
+    try:
+        yield
+    finally:
+        attention.family = real
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm())
+
+
+def checked(name, call, ref, tol=1e-2):
+    out = call()
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    assert err < tol, f"{name}: relative error {err:.2e} against the reference"
+    return err
+
+
+def build(case, gen, pool_override=None, gate="element"):
+    rows, per_req, pool = CASES[case]
+    batch = rows // per_req
+    p, hint = qsa_serving_problem(gen, batch, per_req, pool=pool_override or pool, gate=gate)
+    return p, hint
+
+
+def gbytes(p) -> float:
+    return int((p["token_indices"] >= 0).sum()) * SERVING_HKV * SERVING_D * 2 * 2 / 1e9
+
+
+def time_case(label, p, hint, args, upstream):
+    """One case: every implementation checked, then timed cold."""
     ref = mate.qsa_sparse_attention(**p, backend="reference")
-    out = mate.qsa_sparse_attention(**p)
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    assert err < 1e-2, f"{name}: relative error {err:.2e} against the reference"
-    return lambda: mate.qsa_sparse_attention(**p), err
+    res = dict(case=label, rows=p["query"].shape[0], gbytes=gbytes(p), us={}, rel_err={})
 
+    def run(name, call, reference=ref):
+        res["rel_err"][name] = checked(f"{label} {name}", call, reference)
+        res["us"][name] = cold_graph_us(call)
 
-def measure(name, p, rows_per_req, splits, hint=None):
-    rows, width = p["token_indices"].shape
-    valid = int((p["token_indices"] >= 0).sum())  # selected tokens that exist (the tail's -1 pads gather nothing)
-    gbytes = valid * HKV * D * 2 * 2 / 1e9
-    gflop = 4 * HQ * valid * D / 1e9
-    call, err = checked_call(name, p)
+    run("mate", lambda: mate.qsa_sparse_attention(**p))
+    for fam in args.families:
+        with forced_family(fam):
+            run(f"mate-{fam}", lambda: mate.qsa_sparse_attention(**p))
+    if hint is not None and args.extra:
+        run("mate hint", lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
+    if upstream:
+        import upstream_qsa
 
-    res = dict(case=name, rows=rows, tokens=width, gbytes=gbytes, gflop=gflop, rel_err=err,
-               eager_us=median_ms(call) * 1e3, graph_us=graph_ms(call) * 1e3,
-               torch_us=few_ms(lambda: torch_baseline(p, rows_per_req)) * 1e3)
-    # decode gathers distinct pages from DRAM; prefill re-reads a 67 MB working set, so L2 bounds it
-    res["roofline_us"] = gbytes * 1e9 / (PEAK_BYTES if rows_per_req == 1 else L2_BYTES) * 1e6
-    res["tb_s"] = gbytes / res["graph_us"] * 1e3
-    res["tflops"] = gflop / res["graph_us"] * 1e3
-    res["cold_us"] = cold_graph_us(call)
-    if hint is not None:
-        res["hint_cold_us"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
-    res["splits_us"] = {
-        s: cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s)) for s in splits
-    }
-    print(f"{name}: cold graph {res['cold_us']:.1f} us" + (f" (block hint {res['hint_cold_us']:.1f} us)" if hint is not None else "")
-          + f", eager {res['eager_us']:.1f} us, back-to-back graph {res['graph_us']:.1f} us ({res['tb_s']:.2f} TB/s, "
-          f"{res['tflops']:.0f} TFLOP/s), torch {res['torch_us']:.0f} us, roofline {res['roofline_us']:.1f} us, "
-          f"cold graph by split count {', '.join(f'{s}: {t:.1f}' for s, t in res['splits_us'].items())}", flush=True)
+        vllm, sglang = upstream
+        run("vllm", upstream_qsa.vllm_call(vllm, p))
+        ungated = dict(p, gate=None)
+        run("sglang", upstream_qsa.sglang_call(sglang, ungated), mate.qsa_sparse_attention(**ungated, backend="reference"))
+    if args.extra and p["gate"] is not None:
+        for gate_name, g in (("ungated", None), ("gate per head", p["gate"][..., 0].contiguous())):
+            q = dict(p, gate=g)
+            run(f"mate {gate_name}", lambda q=q: mate.qsa_sparse_attention(**q),
+                mate.qsa_sparse_attention(**q, backend="reference"))
+    if args.sweep:
+        res["sweep"] = sweep(p, ref, [tuple(map(int, t.split("/"))) for t in args.sweep])
+    res["tb_s"] = {k: res["gbytes"] / v * 1e3 for k, v in res["us"].items()}
+    print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items()), flush=True)
     return res
 
 
-def problems(args):
-    """(name, inputs, rows per request, block hint or None) of each case the arguments ask for, built one at a time."""
-    gen = torch.Generator().manual_seed(0)
-    for b in args.batches:
-        yield f"decode b={b}", qsa_serving_problem(gen, b, 1)[0], 1, None
-        torch.cuda.empty_cache()
-    if args.prefill_rows:
-        p, hint = qsa_serving_problem(gen, 1, args.prefill_rows)
-        yield f"prefill rows={args.prefill_rows}", p, args.prefill_rows, hint
-
-
-def compare(args) -> list:
-    """Every case under each program of --variants in turn: cold and back-to-back graph times (us)."""
-    sources = dict(v.split("=", 1) for v in args.variants)
-    sources = {k: None if f == "-" else f for k, f in sources.items()}
-    cases = []
-    with program_variants("qsa_attention", sources) as use, program_variants("qsa_merge", sources) as use_merge:
-        for name, p, _, hint in problems(args):
-            res = dict(case=name)
-            for variant in sources:
-                use(variant)
-                use_merge(variant)
-                call, err = checked_call(f"{name} ({variant})", p)
-                if args.profile:
-                    torch.cuda.synchronize()
-                    torch.cuda.cudart().cudaProfilerStart()
-                    call()
-                    torch.cuda.synchronize()
-                    torch.cuda.cudart().cudaProfilerStop()
-                    print(f"{name} [{variant}]: profiled", flush=True)
+def sweep(p, ref, pairs) -> dict:
+    """The small-CTA family at each (block_n, num_stages) of `pairs` (both split keys) and split counts: cold us."""
+    card = mate._dispatch.STAGES["qsa_attention_warp"]
+    out = {}
+    for bn, ns in pairs:
+        tiles = dict(block_n=bn, num_stages=ns)
+        if card.limits({"dtype": "bfloat16", "split": 1}, tiles):
+            continue
+        with contextlib.ExitStack() as stack:
+            for split in (0, 1):  # nested: the second patches the first's config
+                stack.enter_context(using_tiles("sm90", card.name, f"dtype=bfloat16,split={split}", tiles))
+            width = p["token_indices"].shape[-1]
+            for s in sorted({None, 1, 2, 4, 8, 16, 33, -(-width // bn)}, key=lambda x: (x is not None, x or 0)):
+                if s is not None and s > -(-width // bn):
                     continue
-                res[variant] = dict(rel_err=err, cold_us=cold_graph_us(call), graph_us=graph_ms(call) * 1e3)
-                if hint is not None:
-                    res[variant]["hint_cold_us"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
-                elif args.splits:
-                    res[variant]["splits_us"] = {
-                        s: cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s)) for s in args.splits
-                    }
-                print(f"{name} [{variant}]: cold graph {res[variant]['cold_us']:.1f} us, back-to-back graph "
-                      f"{res[variant]['graph_us']:.1f} us" + (f", block hint cold {res[variant]['hint_cold_us']:.1f} us"
-                                                              if hint is not None else "")
-                      + "".join(f", {s} splits {t:.1f}" for s, t in res[variant].get("splits_us", {}).items()), flush=True)
-            cases.append(res)
-    if args.profile:
-        return cases
-    print("case | " + " | ".join(f"{v} cold / warm" for v in sources))
-    for c in cases:
-        print(c["case"] + " | " + " | ".join(f"{c[v]['cold_us']:.1f} / {c[v]['graph_us']:.1f}" for v in sources))
-    return cases
+                call = (lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s))
+                try:
+                    checked(f"sweep {bn}/{ns}/{s}", call, ref)
+                    t = cold_graph_us(call)
+                except Exception as e:  # a tile pair that does not compile is reported, not fatal
+                    print(f"  block_n {bn} num_stages {ns} splits {s}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                out[f"{bn}/{ns}/{s}"] = t
+                print(f"  block_n {bn} num_stages {ns} splits {s or 'auto'}: {t:.1f} us", flush=True)
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64, 256])
-    ap.add_argument("--prefill-rows", type=int, default=4096)
-    ap.add_argument("--splits", type=int, nargs="*", default=None,
-                    help="decode split counts also timed (default 1 2 4 8 16 32; with --variants none unless given)")
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--families", nargs="*", default=["wgmma"], help="kernel families also timed forced")
+    ap.add_argument("--upstream", default=None, help="folder with vllm_qsa.py and sglang_qsa.py (copies of upstream)")
+    ap.add_argument("--extra", action="store_true", help="shared 512-page pool, block hint, gate per head / none")
+    ap.add_argument("--sweep", nargs="*", default=None, metavar="BLOCK_N/STAGES",
+                    help="the small-CTA family at these tiles (default: every pair of its space), each at several split counts")
+    ap.add_argument("--no-hbm-pools", action="store_true", help="rows 64 / 256 on small pools (a quick report)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
-    ap.add_argument("--profile", action="store_true", help="with --variants: one call each for ncu, no timing")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
-    ap.add_argument("--no-cluster", action="store_true", help="split decode in two launches only (the A/B of cluster launches)")
     args = ap.parse_args(argv)
-    with without_cluster_launches() if args.no_cluster else contextlib.nullcontext():
-        if args.variants:
-            cases = compare(args)
-        else:
-            splits = [1, 2, 4, 8, 16, 32] if args.splits is None else args.splits
-            cases = [measure(name, p, rpr, splits if hint is None else [1], hint=hint) for name, p, rpr, hint in problems(args)]
-    result = dict(environment(), cases=cases, variants=args.variants)
+    if args.sweep == []:
+        card = mate._dispatch.STAGES["qsa_attention_warp"]
+        args.sweep = [f"{b}/{n}" for b, n in itertools.product(card.space["block_n"], card.space["num_stages"])]
+    upstream = None
+    if args.upstream:
+        import upstream_qsa
+
+        upstream = (upstream_qsa.load(os.path.join(args.upstream, "vllm_qsa.py"), "upstream_vllm_qsa"),
+                    upstream_qsa.load(os.path.join(args.upstream, "sglang_qsa.py"), "upstream_sglang_qsa"))
+    gen = torch.Generator().manual_seed(0)
+    sources = {k: None if f == "-" else f for k, f in (v.split("=", 1) for v in args.variants)}
+    cases = []
+    for case in args.cases:
+        p, hint = build(case, gen, 512 if args.no_hbm_pools and case in ("decode64", "decode256") else None)
+        labels = [(case, p)]
+        if args.extra and case == "decode256":
+            labels.append(("decode256 shared 512-page pool", build(case, gen, 512)[0]))
+        for label, q in labels:
+            if sources:
+                with program_variants("qsa_attention_warp", sources) as use:
+                    res = dict(case=label, us={})
+                    ref = mate.qsa_sparse_attention(**q, backend="reference")
+                    for name in sources:
+                        use(name)
+                        call = lambda: mate.qsa_sparse_attention(**q)  # noqa: E731
+                        checked(f"{label} {name}", call, ref)
+                        res["us"][name] = cold_graph_us(call)
+                    print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items()), flush=True)
+            else:
+                res = time_case(label, q, hint if case == "prefill" else None, args, upstream)
+            cases.append(res)
+        del p, labels
+        torch.cuda.empty_cache()
+    names = list(dict.fromkeys(k for c in cases for k in c["us"]))
+    print("\n| case (us, cold graph) | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for c in cases:
+        print(f"| {c['case']} | " + " | ".join(f"{c['us'][n]:.1f}" if n in c["us"] else "-" for n in names) + " |")
+    result = dict(environment(), command="python benchmarks/bench_qsa_attention.py " + " ".join(argv or []), cases=cases)
     write_json(args.out, result)
     return result
 
 
 def figures(result):
-    decode = [c for c in result["cases"] if c["case"].startswith("decode")]
-    lines = {
-        "mate (graph)": [(c["rows"], c["graph_us"]) for c in decode],
-        "mate (eager)": [(c["rows"], c["eager_us"]) for c in decode],
-        "torch gather + SDPA": [(c["rows"], c["torch_us"]) for c in decode],
-        "roofline": [(c["rows"], c["roofline_us"]) for c in decode],
-    }
-    return [figure("QSA sparse attention decode (24/2/256, 2051 tokens)", "batch", "time (us)", lines, logy=True)]
+    from common import figure
+
+    decode = [c for c in result["cases"] if c["case"].startswith("decode") and "pool" not in c["case"]]
+    names = list(dict.fromkeys(k for c in decode for k in c["us"]))
+    lines = {n: [(c["rows"], c["us"][n]) for c in decode if n in c["us"]] for n in names}
+    return [figure("QSA sparse attention decode (24/2/256, 2051 tokens, cold graph)", "rows", "time (us)", lines, logy=True)]
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

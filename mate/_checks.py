@@ -115,6 +115,15 @@ def vector_layout(name: str, x: torch.Tensor) -> None:
     Feature stride 1, data_ptr 16-byte aligned, and every outer axis with more
     than one element has a positive stride spanning a multiple of 16 bytes.
     """
+    problems = layout_problems(x)
+    if problems:
+        raise ValueError(
+            f"{name}: {LAYOUT_ERROR} ({'; '.join(problems)}); pass a contiguous copy or adjust the slice offsets instead"
+        )
+
+
+def layout_problems(x: torch.Tensor) -> list[str]:
+    """What breaks vector_layout's rule for x (empty: none)."""
     es = x.element_size()
     problems = []
     if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
@@ -125,10 +134,7 @@ def vector_layout(name: str, x: torch.Tensor) -> None:
         s = x.stride(axis)
         if x.shape[axis] > 1 and (s <= 0 or (s * es) % 16):
             problems.append(f"stride({axis}) is {s} elements ({s * es} bytes), expected a positive multiple of {16 // es}")
-    if problems:
-        raise ValueError(
-            f"{name}: {LAYOUT_ERROR} ({'; '.join(problems)}); pass a contiguous copy or adjust the slice offsets instead"
-        )
+    return problems
 
 
 def unit_feature_stride(name: str, x: torch.Tensor) -> None:

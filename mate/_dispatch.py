@@ -52,7 +52,7 @@ def backend(value) -> str:
 # Every native stage, in one place: each card lives beside its program (mate/<family>/kernels/<kernel>_card.py)
 # and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, selection_bwd_card.DQ, selection_bwd_card.DKV, gqa_card.STAGE, gqa_decode_card.STAGE, sparse_card.ATTENTION, sparse_card.MERGE,
+    mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, selection_bwd_card.DQ, selection_bwd_card.DKV, gqa_card.STAGE, gqa_decode_card.STAGE, sparse_card.ATTENTION, sparse_card.WARP_ATTENTION, sparse_card.MERGE,
 )}
 
 

@@ -353,17 +353,21 @@ def qsa_serving_selection(gen, positions):
     return torch.stack(tokens).to(torch.int32), torch.stack(blocks).to(torch.int32)
 
 
-def qsa_serving_problem(gen, batch, rows_per_req):
-    """Issue #16's inputs. Decode (rows_per_req 1): request r holds 32768 - 1 - (r mod 4) tokens, one row at its
-    last position, its pages a random draw from the pool (batch 256: a 512-page pool the requests share, else
-    pages of its own). Prefill: the last rows_per_req positions of one 32768-token request. Per-head BF16 gate."""
+def qsa_serving_problem(gen, batch, rows_per_req, *, pool=None, gate="head"):
+    """Issue #16's inputs (issue #37's with pool and gate="element"). Decode (rows_per_req 1): request r holds
+    32768 - 1 - (r mod 4) tokens, one row at its last position, its pages a random draw from the pool: `pool`
+    pages shared by the requests (default: 512 from batch 256 on, else pages of its own). Prefill: the last
+    rows_per_req positions of one 32768-token request. A BF16 gate per head ("head"), per element ("element",
+    [rows, 24, 256], what vLLM's output_gate takes) or none. Pools past a few pages are drawn on the GPU."""
     pages = SERVING_CONTEXT // SERVING_PAGE
     if rows_per_req == 1:
         seq = torch.tensor([SERVING_CONTEXT - 1 - r % 4 for r in range(batch)])
-        pool = SERVING_SHARED_POOL if batch >= 256 else batch * pages
-        perm = [torch.randperm(pool, generator=gen) for _ in range(batch)] if pool == SERVING_SHARED_POOL else \
-            list(torch.randperm(pool, generator=gen).view(batch, pages))
-        table = torch.stack([t[:pages] for t in perm])
+        pool = pool or (SERVING_SHARED_POOL if batch >= 256 else None)
+        if pool:
+            table = torch.stack([torch.randperm(pool, generator=gen)[:pages] for _ in range(batch)])
+        else:
+            pool = batch * pages
+            table = torch.randperm(pool, generator=gen).view(batch, pages)
         positions = seq - 1
     else:
         seq = torch.full((batch,), SERVING_CONTEXT)
@@ -371,14 +375,16 @@ def qsa_serving_problem(gen, batch, rows_per_req):
         table = torch.randperm(pool, generator=gen).view(batch, pages)
         positions = torch.arange(SERVING_CONTEXT - rows_per_req, SERVING_CONTEXT).repeat(batch)
     rows = batch * rows_per_req
-    k = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=gen).to(torch.bfloat16).cuda()
-    v = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=gen).to(torch.bfloat16).cuda()
+    dev = torch.Generator("cuda").manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    k = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=dev, device="cuda").to(torch.bfloat16)
+    v = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=dev, device="cuda").to(torch.bfloat16)
     q = torch.randn(rows, SERVING_HQ, SERVING_D, generator=gen).to(torch.bfloat16).cuda()
     ti, bi = qsa_serving_selection(gen, positions)
     cu = torch.arange(batch + 1, dtype=torch.int32) * rows_per_req
+    g = None if gate is None else torch.randn(rows, SERVING_HQ, *((SERVING_D,) if gate == "element" else ()), generator=gen)
     return dict(query=q, key=k, value=v, token_indices=ti.cuda(), block_table=table.to(torch.int32).cuda(),
                 cu_seqlens_q=cu.cuda(), seq_lens_k=seq.to(torch.int32).cuda(),
-                gate=torch.randn(rows, SERVING_HQ, generator=gen).to(torch.bfloat16).cuda()), bi.cuda()
+                gate=None if g is None else g.to(torch.bfloat16).cuda()), bi.cuda()
 
 
 # ---------------------------------------------------------------- the tuner's workloads (CUDA)
@@ -464,6 +470,11 @@ def qsa_attention_workload(spec, shape):
     kw = dict(block_table=table, cu_seqlens_q=cu, num_splits=splits, return_lse=True)
     return (lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw),
             lambda: mate.qsa_sparse_attention(q, k, v, tokens, **kw, backend="reference"))
+
+
+def qsa_attention_warp_workload(spec, shape):
+    """qsa_attention_workload for the small-CTA family: `batch` rows, 4 splits where the key splits."""
+    return qsa_attention_workload({**spec, "wide": 1}, shape)
 
 
 def qsa_merge_workload(spec, shape):

@@ -621,6 +621,30 @@ def test_split_heuristic_fills_one_wave():
     assert choose_splits(1, 1, 132) == 1  # one tile is never split
 
 
+def test_small_cta_family_from_half_a_wave_of_row_heads():
+    """family() on 132 SMs: issue 37's decode rows 1 and 8 (2, 16 row-heads) stay on the wgmma family, rows 64 and
+    256 and prefill (128, 512, 8192) take the small-CTA one."""
+    from mate.qsa.attention import family
+
+    assert [family(n, 132) for n in (2, 16, 66, 67, 128, 512, 8192)] == ["wgmma"] * 3 + ["warp"] * 4
+
+
+def test_small_cta_splits_fill_one_wave():
+    """warp_splits on 132 SMs at 4 resident CTAs, 129 tiles (2051 tokens of 16): one wave of splits, 2 for a gated
+    call past it (the merge gates; the program's own gate epilogue measured slower), never more splits than tiles."""
+    from mate.qsa.attention import warp_splits
+    from mate.qsa.kernels import sparse_card
+
+    assert [warp_splits(n, 129, 132, 4, True) for n in (2, 16, 128, 512, 8192)] == [129, 33, 4, 2, 2]
+    assert [warp_splits(n, 129, 132, 4, False) for n in (128, 512, 8192)] == [4, 1, 1]
+    assert warp_splits(2, 3, 132, 4, False) == 3
+    # the shipped 16-token, 2-stage ring: 46080 B of shared memory (ptxas: 40960 dynamic + 5120 static), 4 CTAs an SM
+    tiles = dict(block_n=16, num_stages=2)
+    assert sparse_card.warp_attention_smem({"dtype": "bfloat16"}, tiles) == 46080
+    assert sparse_card.WARP_ATTENTION.limits({"dtype": "bfloat16", "split": 1}, tiles) is None
+    assert "outlive" in sparse_card.WARP_ATTENTION.limits({"dtype": "bfloat16", "split": 1}, dict(block_n=64, num_stages=4))
+
+
 def test_cluster_launch_only_where_every_cluster_runs_at_once():
     """cluster_splits on 33 tiles with the H200's co-resident whole-SM clusters (as its probe answered)."""
     from mate.qsa.attention import cluster_splits, split_tiles

@@ -264,6 +264,23 @@ def test_qsa_split_kernel_ring_depths_finish_back_to_back_launches():
     _run("qsa_attention", qsa_split_rings())
 
 
+# QSA's small-CTA program (cp.async commit groups by hand, a ring of num_stages tiles, token lists a chunk ahead) at
+# every ring depth and tile of its space that the config does not ship, both split keys.
+def qsa_warp_rings() -> list:
+    card = _dispatch.STAGES["qsa_attention_warp"]
+    out = []
+    for key in ("dtype=bfloat16,split=0", "dtype=bfloat16,split=1"):
+        spec = _dispatch.parse_key(key)
+        shipped = _dispatch.tiles(card.name, spec, "sm90")
+        out += [(key, tiles) for tiles in (dict(zip(card.space, v)) for v in itertools.product(*card.space.values()))
+                if tiles != shipped and not card.limits(spec, tiles)]
+    return out
+
+
+def test_qsa_warp_kernel_ring_depths_finish_back_to_back_launches():
+    _run("qsa_attention_warp", qsa_warp_rings())
+
+
 def variant_kernels() -> list:
     """(stage, key, tiles) of every kernel outside the config these tests launch: compiled at first use, one
     after another in a test's process, they took the stress tests past a 360 s suite limit on the H200
@@ -271,7 +288,8 @@ def variant_kernels() -> list:
     return ([(stage, key, tiles) for stage, cases in ONE_STAGE.items() for key, tiles in cases]
             + [(stage, BACKWARD_KEY, tiles) for stage, tiles in ring_variants()]
             + [("gqa_decode", key, tiles) for key, tiles in decode_rings()]
-            + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()])
+            + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()]
+            + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_warp_rings()])
 
 
 if __name__ == "__main__":

@@ -463,6 +463,7 @@ def reference_run(p: Problem):
 # ---------------------------------------------------------------- native path
 
 ATTENTION = _dispatch.STAGES["qsa_attention"]
+WARP_ATTENTION = _dispatch.STAGES["qsa_attention_warp"]
 MAX_SPLITS = 64
 
 
@@ -554,6 +555,26 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g, stand_in)
 
 
+def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int, gated: bool) -> int:
+    """SplitKV count of the small-CTA family for `num_splits=None`: the most splits whose grid still fits one
+    wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split without a tile;
+    past one wave of the grid alone, none, or 2 for a gated call: the merge kernel gates faster than the
+    program's own epilogue (H200, issue 37's inputs, per-element gate: prefill 4358 us in one split, 3020 in
+    two, 2762 ungated in one; decode rows 256 329 / 294 / 270 us;
+    benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md)."""
+    return max(2 if gated else 1, min(tiles, resident * sms // max(1, rows_x_heads)))
+
+
+def family(rows_x_heads: int, sms: int) -> str:
+    """Which program runs a call: 'warp' (mate.qsa.kernels.sparse_warp, small CTAs) or 'wgmma'
+    (mate.qsa.kernels.sparse, warp-specialized, with cluster launches for decode).
+
+    H200, issue 37's inputs, cold graph, us (wgmma / warp at the count warp_splits picks): rows 1 16.2 / 29.6,
+    rows 8 25.2 / 33.0; rows 64 (128 row-heads) 102.7 / 95.7, rows 256 302.3 / 293.8, prefill 3324 / 3020.
+    So small CTAs from half a wave of row-heads on (between 16 and 128 row-heads nothing was measured)."""
+    return "warp" if rows_x_heads > sms // 2 else "wgmma"
+
+
 def native(p: Problem):
     r = p.rows
     dev = p.query.device
@@ -581,11 +602,7 @@ def native(p: Problem):
         row_mode, rowmap = kernels.ROW_TOKEN_TO_REQ, p.token_to_req
     q_len = p.query.shape[1] if p.query.dim() == 4 else 1
     width = r.indices.shape[-1]
-    tiles = -(-width // kernels.TILE)
     sms = _sm_count(dev.index)
-    num_splits = p.num_splits
-    if num_splits is None:
-        num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
     result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0:
         return result
@@ -594,28 +611,53 @@ def native(p: Problem):
         if want_lse:
             r.lse_rows.fill_(float("-inf"))
         return result
-    per_split, splits = split_tiles(tiles, num_splits)
-    fits = functools.partial(_hopper.whole_sm_clusters, dev.index)
-    cluster = cluster_splits(rows * hkv, tiles, splits, p.num_splits is None, fits)
-    if cluster:
-        per_split, splits = split_tiles(tiles, cluster)
-    chunk = per_split * kernels.TILE
+    dtype = str(p.query.dtype).removeprefix("torch.")
+    cluster = 0
+    if family(rows * hkv, sms) == "warp":
+        # the split entry's tiles size the splits; a call left with one split runs the unsplit entry
+        wt = _dispatch.tiles(WARP_ATTENTION.name, {"dtype": dtype, "split": 1}, r.target)
+        num_splits = p.num_splits
+        if num_splits is None:
+            resident = _hopper.SMEM_PER_SM // (sparse_card.warp_attention_smem({"dtype": dtype}, wt) + _hopper.SMEM_RESERVED_PER_CTA)
+            num_splits = 1 if p.kv_layout == "padded" else warp_splits(rows * hkv, -(-width // wt["block_n"]), sms, resident,
+                                                                        r.gate is not None)
+        tile = wt["block_n"]
+        per_split, splits = split_tiles(-(-width // tile), num_splits)
+        spec = {"dtype": dtype, "split": int(splits > 1)}
+        if splits == 1:
+            tile = _dispatch.tiles(WARP_ATTENTION.name, spec, r.target)["block_n"]
+            per_split = -(-width // tile)
+        attend = _dispatch.kernel(WARP_ATTENTION.name, spec, r.target)
+        q = r.q if not C.layout_problems(r.q) else r.q.contiguous()  # its rows load as 16-byte vectors
+    else:
+        tile = kernels.TILE
+        tiles = -(-width // tile)
+        num_splits = p.num_splits
+        if num_splits is None:
+            num_splits = 1 if p.kv_layout == "padded" else choose_splits(rows * hkv, tiles, sms)
+        per_split, splits = split_tiles(tiles, num_splits)
+        fits = functools.partial(_hopper.whole_sm_clusters, dev.index)
+        cluster = cluster_splits(rows * hkv, tiles, splits, p.num_splits is None, fits)
+        if cluster:
+            per_split, splits = split_tiles(tiles, cluster)
+        # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
+        # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
+        wide = rows * hkv * splits >= 2 * sms
+        spec = {"dtype": dtype, "split": int(splits > 1), "wide": int(wide)}
+        attend = _dispatch.kernel(ATTENTION.name, spec, r.target, **({"cluster": cluster} if cluster else {}))
+        q = r.q
+    chunk = per_split * tile
 
-    # A grid of two CTAs or more per SM runs best with a shallow K/V ring, so that two CTAs fit an SM;
-    # a smaller one with the deep ring (configs/sm90.yaml has the measurements).
-    wide = rows * hkv * splits >= 2 * sms
-    spec = {"dtype": str(p.query.dtype).removeprefix("torch."), "split": int(splits > 1), "wide": int(wide)}
-    attend = _dispatch.kernel(ATTENTION.name, spec, r.target, **({"cluster": cluster} if cluster else {}))
     opt = lambda x, ndim: r.stand_in(torch.int32, ndim) if x is None else x  # noqa: E731
     g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, r.stand_in, flags)
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
     args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1 or cluster:
-        attend(r.q, k4, v4, *meta, r.o, r.lse_rows, *args)
+        attend(q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:
         part_o = torch.empty((splits, rows, hq, dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((splits, rows, hq), dtype=torch.float32, device=dev)
-        attend(r.q, k4, v4, *meta, part_o, part_lse, *args)
+        attend(q, k4, v4, *meta, part_o, part_lse, *args)
         merge.launch(part_o, part_lse, r.gate, r.o, r.lse_rows, flags, r.target, r.stand_in)
     return result

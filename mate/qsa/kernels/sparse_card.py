@@ -53,6 +53,48 @@ ATTENTION = Stage(
     variants=lambda spec: [{"cluster": c} for c in range(2, MAX_CLUSTER + 1)] if spec["split"] and not spec["wide"] else [],
 )
 
+WARP = 32
+WARP_HEADS = 16  # the small-CTA program's MMA M: a group of up to 16 heads, zero-padded
+
+
+def warp_attention_smem(spec: dict, t: dict) -> int:
+    """Shared memory of one small-CTA program (mate.qsa.kernels.sparse_warp): the Q tile, the K/V ring, two
+    decoded chunks' K and V row offsets (int64), two counts and TileLang's 1 KB of static reduction scratch
+    (ptxas: 5120 bytes of static shared memory beside the dynamic Q tile and ring)."""
+    bn, ns = t["block_n"], t["num_stages"]
+    return itemsize(spec["dtype"]) * (WARP_HEADS * DIM + 2 * ns * bn * DIM) + 2 * 2 * WARP_CHUNK * 8 + 1024
+
+
+WARP_CHUNK = 128  # token slots the small-CTA program decodes at a time (mate.qsa.kernels.sparse_warp.CHUNK)
+
+
+def _warp_limits(spec, t):
+    if t["block_n"] % 16 or WARP_CHUNK % t["block_n"]:
+        return f"block_n {t['block_n']} must be a multiple of 16 (the PV MMA's k) dividing {WARP_CHUNK}"
+    if t["num_stages"] - 1 > WARP_CHUNK // t["block_n"]:
+        return f"num_stages {t['num_stages']}: a decoded chunk's lists must outlive the ring ({WARP_CHUNK // t['block_n']} tiles a chunk)"
+    if t["num_stages"] < 2:
+        return f"num_stages {t['num_stages']}: the ring needs 2 stages or more (one gathers while one is read)"
+    if (smem := warp_attention_smem(spec, t)) > SMEM_PER_CTA:
+        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+    return None
+
+
+# The small-CTA family: one warp per (row, KV head, split), heads as the mma.sync M (mate.qsa.kernels.sparse_warp).
+WARP_ATTENTION = Stage(
+    "qsa_attention_warp", "mate.qsa.kernels.sparse_warp", "sparse_attention_warp",
+    # H200, issue 37's inputs: 64-token tiles (one CTA an SM) and 4-stage rings were slower at every shape
+    # (benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md)
+    space=dict(block_n=(16, 32), num_stages=(2, 3)),
+    keys=("dtype", "split"),
+    limits=_warp_limits,
+    pass_configs="PASS_CONFIGS",
+    shapes=dict(quick=[dict(batch=256, context=32768, width=2051)],
+                full=[dict(batch=256, context=32768, width=2051), dict(batch=64, context=32768, width=2051)]),
+    workload="qsa_attention_warp_workload",
+    tol=1e-2,
+)
+
 MERGE = Stage(
     "qsa_merge", "mate.qsa.kernels.sparse", "merge",
     space=dict(threads=(64, 128, 256)),

@@ -1,0 +1,266 @@
+"""TileLang program of QSA sparse core attention, small-CTA family: one warp per (row, KV head, split).
+
+Design of the fastest public kernels for this job (vLLM's and SGLang's Triton QSA kernels, read
+at the commits of issue 37): the group's heads, zero-padded to 16, are the M of mma.sync
+(m16n8k16), the tokens N, `block_n` a step, and the softmax stays inside the warp, so a CTA needs
+no mbarrier, no producer role and no cross-warp reduction; with ~40 KB of shared memory five or
+more CTAs share an SM, and their gathers overlap each other's math.
+
+    S [16, n]   = Q [16, D] . K_tile [n, D]^T
+    O [16, D]  += P [16, n] . V_tile [n, D]        (P from registers: S's accumulator layout)
+
+What this program adds to that design: the token -> page -> address chain is decoded a chunk of
+CHUNK token slots at a time, all of a chunk's loads in flight together, a chunk ahead of the gather:
+the token ids of chunk c + 2 and the pages of chunk c + 1 go out when chunk c starts. (Decoded a tile
+ahead, every tile waited for one page lookup: H200, one row-head alone, 2.4 us per 16-token tile at
+any ring depth.) The K/V rows are gathered by cp.async into a ring of `num_stages` tiles, zero-filled
+for a masked token.
+
+Row metadata, the selection's layout and the flags are those of mate.qsa.kernels.sparse (its
+macros, shared), so the two programs take the same arguments.
+"""
+
+import tilelang.language as T
+
+from mate._tl import FENCE_SOURCE, fence
+from mate.qsa.kernels.sparse import (
+    HAS_GATE, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS,
+    ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, _list_share, _prefetch_metadata, _row_keys, _row_request, gate_at,
+)
+from mate.qsa.kernels.sparse_card import DIM, WARP, WARP_CHUNK
+from mate.qsa.kernels.sparse_card import WARP_HEADS as HEADS
+
+# cp.async by hand (commit and wait groups of the ring), no TMA, no automatic warp specialization
+PASS_CONFIGS = (*_BASE_PASS_CONFIGS, ("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True))
+
+
+# Token slots decoded at a time, CHUNK // WARP a lane: a chunk's token-id loads, then its page loads, are in
+# flight together, a chunk ahead of the gather that reads them.
+CHUNK = WARP_CHUNK
+PER_LANE = CHUNK // WARP
+
+
+@T.macro
+def _chunk_ids(TI, BI, tok, row, c, lane, first, last, block_slots: T.Ref, blocks, NB):
+    """The token ids of this lane's slots of chunk c (-1: none); the loads are consumed a chunk later."""
+    for j in T.unroll(PER_LANE):
+        s = first + c * CHUNK + j * WARP + lane
+        tok[j] = -1
+        if s < last:
+            if s < block_slots:
+                blk = BI[row, s // 4]
+                tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
+            else:
+                tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+
+
+@T.macro
+def _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS):
+    """The page of each of this lane's token ids (its load goes out now, consumed a chunk later) and its slot,
+    -1 for a token the row cannot see."""
+    for j in T.unroll(PER_LANE):
+        t = tok[j]
+        # the page is loaded whether or not the token is visible, so that it waits only for the token id
+        pg[j] = T.if_then_else(paged, T.if_then_else(live & (BT.shape[1] > 0), BT[bs, T.min(T.max(t, 0) // PS, BT.shape[1] - 1)], -1),
+                               T.if_then_else(row_mode == ROW_PHYSICAL, 0, bs))
+        visible = live & (t >= 0) & (t < limit) & ((row_mode == ROW_PHYSICAL) | (t <= pos))
+        sl[j] = T.if_then_else(visible, T.if_then_else(paged, T.max(t, 0) % PS, T.max(t, 0)), -1)
+
+
+@T.macro
+def _publish(ko, vo, pg, sl, c, lane, kvh, P, strides):
+    """Chunk c's K and V row offsets into its half of the shared lists, in 16-byte units (the strides are
+    multiples of 8 elements), -1 for a masked token."""
+    skp, sks, skh, svp, svs, svh = strides
+    for j in T.unroll(PER_LANE):
+        ok = (sl[j] >= 0) & (pg[j] >= 0) & (pg[j] < P)
+        ko[c % 2, j * WARP + lane] = T.if_then_else(ok, (T.Cast("int64", pg[j]) * skp + sl[j] * sks + kvh * skh) // 8, -1)
+        vo[c % 2, j * WARP + lane] = T.if_then_else(ok, (T.Cast("int64", pg[j]) * svp + sl[j] * svs + kvh * svh) // 8, -1)
+
+
+# A warp instruction of the gather covers ROWS rows, 8 lanes x 16 bytes (one 128-byte line) each, and a lane
+# keeps its row for the row's DIM // 64 lines: it reads the row's offset once, and each copy is an immediate
+# offset from it. (One row per instruction, its (page, slot) re-read for every copy, took 23 instructions and
+# two dependent shared loads per 16-byte copy: nvcc reloads shared memory after every cp.async.)
+ROWS = WARP // 8
+
+
+@T.macro
+def _gather_rows(X, Xs, offsets, st, i, lane, block_n):
+    """Tile i's rows of X into ring stage st by cp.async, zero-filled for a masked token."""
+    for j in T.unroll(block_n // ROWS):
+        k = j * ROWS + lane // 8
+        off = offsets[i * block_n // CHUNK % 2, i * block_n % CHUNK + k]
+        for line in T.unroll(DIM // 64):
+            d = line * 64 + lane % 8 * 8
+            # X[0, 0, 0, e] is element e of X's storage: the offset spans the row's page, slot and head
+            T.ptx_cp_async(T.access_ptr(Xs[st, k, d], "w", 8), T.access_ptr(X[0, 0, 0, T.max(off, 0) * 8 + d], "r", 8),
+                           8, predicate=off >= 0)
+
+
+@T.macro
+def _attend(Qs, Ks, Vs, ko, S, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t, scale_log2, block_n):
+    """One tile: S = Q K^T, masked to -inf where the token is, online softmax, O = O * alpha + P V."""
+    T.gemm(Qs, Ks[st, :, :], S, transpose_B=True, clear_accum=True)
+    for h, k in T.Parallel(HEADS, block_n):
+        S[h, k] = T.if_then_else(ko[t * block_n // CHUNK % 2, t * block_n % CHUNK + k] >= 0, S[h, k], NEG_INF)
+    T.copy(m_cur, m_prev)
+    T.reduce_max(S, m_cur, dim=1, clear=False)
+    for h in T.Parallel(HEADS):
+        alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
+    for h, k in T.Parallel(HEADS, block_n):
+        S[h, k] = T.exp2(S[h, k] * scale_log2 - m_cur[h] * scale_log2)
+        rowsum[h, k] = rowsum[h, k] * alpha[h] + S[h, k]
+    for h, d in T.Parallel(HEADS, DIM):
+        acc[h, d] *= alpha[h]
+    T.copy(S, Pr)
+    T.gemm(Pr, Vs[st, :, :], acc)
+
+
+def sparse_attention_warp(dtype, split, block_n, num_stages):
+    """The attention pass (mate.qsa.kernels.sparse's arguments); split: FP32 partials per split for `merge`."""
+    assert CHUNK % block_n == 0 and num_stages - 1 <= CHUNK // block_n, "a chunk's lists live until its tiles are read"
+    R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
+    NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
+    RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
+    (sqr, sqh, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
+        "sqr sqh skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
+    )
+    sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
+    shr, shh, shd = T.dynamic("shr shh shd", "int64")
+    sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE
+    if split:
+        o_out = T.Tensor((SPL, RO, HO, DIM), "float32")
+        lse_out = T.Tensor((SPL, RL, HL), "float32")
+    else:
+        o_out = T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype)
+        lse_out = T.StridedTensor((RL, HL), (slr, slh), "float32")
+
+    @T.prim_func
+    def main(
+        Q: T.StridedTensor((R, HQ, DIM), (sqr, sqh, 1), dtype),
+        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), dtype),
+        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), dtype),
+        TI: T.StridedTensor((R, W), (sir, siw), "int32"),
+        BI: T.StridedTensor((RB, NB), (sbr, sbw), "int32"),
+        BT: T.StridedTensor((BTB, MP), (stb, stp), "int32"),
+        ROWMAP: T.StridedTensor((NM,), (smm,), "int32"),
+        SLQ: T.StridedTensor((NSLQ,), (slq,), "int32"),
+        SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
+        QP: T.StridedTensor((NQP,), (sqp,), "int32"),
+        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
+        GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
+        O: o_out,
+        LSE: lse_out,
+        scale: T.float32,
+        row_mode: T.int32,
+        flags: T.int32,
+        n_req: T.int32,
+        q_len: T.int32,
+        chunk: T.int32,
+    ):
+        with T.Kernel(R, HKV, SPL if split else 1, threads=WARP) as (row, kvh, sp):
+            T.import_source(sources)
+            Qs = T.alloc_shared((HEADS, DIM), dtype)
+            Ks = T.alloc_shared((num_stages, block_n, DIM), dtype)
+            Vs = T.alloc_shared((num_stages, block_n, DIM), dtype)
+            # two chunks' K/V row offsets: the one the gather reads and the one published next
+            ko = T.alloc_shared((2, CHUNK), "int64", scope="shared")
+            vo = T.alloc_shared((2, CHUNK), "int64", scope="shared")
+            counts = T.alloc_shared((2,), "int32", scope="shared")
+            tok = T.alloc_local((PER_LANE,), "int32")
+            pg = T.alloc_local((PER_LANE,), "int32")
+            sl = T.alloc_local((PER_LANE,), "int32")
+            S = T.alloc_fragment((HEADS, block_n), "float32")
+            Pr = T.alloc_fragment((HEADS, block_n), dtype)  # P in the input dtype, the PV MMA's A
+            rowsum = T.alloc_fragment((HEADS, block_n), "float32")
+            acc = T.alloc_fragment((HEADS, DIM), "float32")
+            m_cur = T.alloc_fragment((HEADS,), "float32")
+            m_prev = T.alloc_fragment((HEADS,), "float32")
+            alpha = T.alloc_fragment((HEADS,), "float32")
+            l_sum = T.alloc_fragment((HEADS,), "float32")
+            b = T.alloc_var("int32")
+            local = T.alloc_var("int32")
+            nrows = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lane = T.get_thread_binding()
+            # The wrapper passes Q and K/V with unit feature stride, 16-byte aligned bases and strides.
+            T.assume(sqr % 8 == 0)
+            T.assume(sqh % 8 == 0)
+            T.assume(skp % 8 == 0)
+            T.assume(sks % 8 == 0)
+            T.assume(skh % 8 == 0)
+            T.assume(svp % 8 == 0)
+            T.assume(svs % 8 == 0)
+            T.assume(svh % 8 == 0)
+            if split:
+                T.pdl_trigger()
+                _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, lane, WARP, W, MP, BTB, NM, NSLK)
+            strides = (skp, sks, skh, svp, svs, svh)
+            group = T.alloc_var("int32")
+            h0 = T.alloc_var("int32")
+            group = HQ // HKV
+            h0 = kvh * group
+            _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, lane, R, row_mode, n_req, q_len, WARP)
+            bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
+            n_slots = T.alloc_var("int32")
+            block_slots = T.alloc_var("int32")
+            blocks, first, last, _ = _list_share(BI, n_slots, block_slots, lo, hi, row, sp, flags, chunk, W, NB)
+            n_tiles = T.ceildiv(T.max(last - first, 0), block_n)
+
+            # chunk 0's pages and chunk 1's token ids in flight before the ring starts
+            _chunk_ids(TI, BI, tok, row, 0, lane, first, last, block_slots, blocks, NB)
+            _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
+            _chunk_ids(TI, BI, tok, row, 1, lane, first, last, block_slots, blocks, NB)
+            # heads past the group repeat its last head: their rows of S and O are finite and never stored
+            for h, d in T.Parallel(HEADS, DIM):
+                Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+            T.fill(acc, 0)
+            T.fill(rowsum, 0)
+            T.fill(m_cur, M_FLOOR)
+            scale_log2 = scale * LOG2E
+            for i in T.serial(n_tiles + num_stages - 1):
+                # issue tile i, then compute tile i - (num_stages - 1), whose group is then the oldest in flight
+                if i < n_tiles:
+                    if i * block_n % CHUNK == 0:
+                        c = i * block_n // CHUNK
+                        _publish(ko, vo, pg, sl, c, lane, kvh, P, strides)
+                        _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
+                        _chunk_ids(TI, BI, tok, row, c + 2, lane, first, last, block_slots, blocks, NB)
+                        T.sync_threads()  # the chunk's lists are published
+                        fence()
+                    _gather_rows(K, Ks, ko, i % num_stages, i, lane, block_n)
+                    _gather_rows(V, Vs, vo, i % num_stages, i, lane, block_n)
+                T.ptx_commit_group()
+                if i >= num_stages - 1:
+                    T.ptx_wait_group(num_stages - 1)
+                    T.sync_threads()
+                    fence()
+                    _attend(Qs, Ks, Vs, ko, S, Pr, acc, m_cur, m_prev, alpha, rowsum, (i - num_stages + 1) % num_stages,
+                            i - num_stages + 1, scale_log2, block_n)
+                    fence()
+                    T.sync_threads()  # the stage is free for the gather num_stages - 1 tiles on
+            T.reduce_sum(rowsum, l_sum, dim=1)
+            for h in T.Parallel(HEADS):
+                alpha[h] = T.if_then_else(l_sum[h] > 0, 1.0 / l_sum[h], 0)  # one division a head
+            if split:
+                for h, d in T.Parallel(HEADS, DIM):
+                    if h < group:
+                        O[sp, row, h0 + h, d] = acc[h, d] * alpha[h]
+                for h in T.Parallel(HEADS):
+                    if h < group:
+                        LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+            else:
+                gated = (flags & HAS_GATE) != 0
+                for h, d in T.Parallel(HEADS, DIM):
+                    if h < group:
+                        o = acc[h, d] * alpha[h]
+                        gv = T.if_then_else(gated, gate_at(G, GH, flags, row, h0 + h, d), 0)
+                        O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
+                if (flags & WRITE_LSE) != 0:
+                    for h in T.Parallel(HEADS):
+                        if h < group:
+                            LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+
+    return main
