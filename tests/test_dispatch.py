@@ -187,7 +187,7 @@ import sys, torch, mate, mate.testing
 from mate import _dispatch
 loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
 assert not loaded(), ('import mate', loaded())
-from tuning import stages  # the tuner's entries read the stage cards, which need no TileLang
+from mate.tuning import stages  # the tuner's entries read the stage cards, which need no TileLang
 assert not loaded(), ('the stage cards', loaded())
 q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 1, 64)
 mate.gqa_attention(q, k, k, backend='reference')

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mate import _dispatch
-from tuning.stages import TUNABLES
+from mate.tuning.stages import TUNABLES
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +63,7 @@ CHILD = HAMMER + """
 import contextlib, json
 from mate import _dispatch
 from mate.testing import using_tiles
-from tuning.stages import TUNABLES
+from mate.tuning.stages import TUNABLES
 stage, cases = sys.argv[1], json.loads(sys.argv[2])
 tunable = TUNABLES[stage]
 for key, tiles in cases:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from mate import _dispatch
-from tuning import cli, configfile
-from tuning.stages import TUNABLES, Tunable, candidates, rel_error
+from mate.tuning import cli, configfile
+from mate.tuning.stages import TUNABLES, Tunable, candidates, rel_error
 
 CONFIG = _dispatch.config_dir() / "sm90.yaml"
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,7 +356,7 @@ def test_nsa_backward_workloads_check_their_step_against_the_reference_gradients
 def test_watchdog_records_a_hung_candidate_and_ends_the_process(tmp_path):
     # A hung kernel is a host thread blocked in CUDA; a sleep stands in for it.
     mark = tmp_path / "mark"
-    code = ("import time\nfrom tuning.cli import watchdog\n"
+    code = ("import time\nfrom mate.tuning.cli import watchdog\n"
             f"with watchdog(60, lambda: None):\n    pass\n"  # a block that ends in time leaves no trace
             f"with watchdog(0.5, lambda: open({str(mark)!r}, 'w').write('hung')):\n    time.sleep(60)\n"
             "print('not reached')\n")

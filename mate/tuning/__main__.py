@@ -1,5 +1,5 @@
 import sys
 
-from tuning.cli import main
+from mate.tuning.cli import main
 
 sys.exit(main())

@@ -37,8 +37,8 @@ from pathlib import Path
 import yaml
 
 from mate import _dispatch, precompile
-from tuning import configfile
-from tuning.stages import TUNABLES, candidates, rel_error
+from mate.tuning import configfile
+from mate.tuning.stages import TUNABLES, candidates, rel_error
 
 
 def tiles_str(tiles: dict) -> str:
