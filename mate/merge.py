@@ -9,6 +9,10 @@ computed in FP32. A split with l_s = -inf (no visible key) contributes nothing a
 its o_s is never read into the sum (it may hold anything, NaN included); a row
 whose splits are all -inf gives output 0 and lse -inf. An optional gate multiplies
 the merged output by sigmoid(gate) in FP32; the lse is not gated.
+
+Both SplitKV attentions end here: QSA's sparse attention (mate.qsa.attention, through launch) and GQA's
+split-KV decode (mate.swa.attention, through merge_attention_states). The kernel is still the `merge`
+program of mate/qsa/kernels/sparse.py, with its card (stage qsa_merge) in sparse_card.py.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import torch
 
 from mate import _checks as C
 from mate import _dispatch
-from mate.qsa import reference
+from mate._reference import apply_gate
 
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
 
 STAGE = _dispatch.STAGES["qsa_merge"]
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NEG_INF = float("-inf")
 
 
 def gate_rows(gate: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -160,8 +165,29 @@ def _native(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(p: MergeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    res, res_lse = reference.merge_states(p.partial_out, p.partial_lse)
-    res = reference.apply_gate(res, p.gate)
+    res, res_lse = merge_states(p.partial_out, p.partial_lse)
+    res = apply_gate(res, p.gate)
     out = res.to(p.dtype) if p.out is None else p.out.copy_(res)
     lse = res_lse if p.lse is None else p.lse.copy_(res_lse)
     return out, lse
+
+
+def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor):
+    """Combine split partials [S, ..., D] with their lse [S, ...] into FP32 (out [..., D], lse [...]).
+
+    A split with lse -inf contributes nothing (its partial output is never read into the
+    sum, so it may hold anything); a row whose splits are all -inf gives 0 and -inf.
+    """
+    lse = partial_lse.float()
+    if lse.shape[0] == 0:
+        return (partial_out.new_zeros(partial_out.shape[1:], dtype=torch.float32),
+                lse.new_full(lse.shape[1:], NEG_INF))
+    m = lse.amax(dim=0)
+    live = lse > NEG_INF
+    w = torch.where(live, torch.exp(lse - torch.where(m > NEG_INF, m, 0.0)), 0.0)
+    total = w.sum(dim=0)
+    acc = torch.where(live.unsqueeze(-1), w.unsqueeze(-1) * partial_out.float(), 0.0).sum(dim=0)
+    some = total > 0
+    out = torch.where(some.unsqueeze(-1), acc / torch.where(some, total, 1.0).unsqueeze(-1), 0.0)
+    merged = torch.where(some, m + torch.log(torch.where(some, total, 1.0)), NEG_INF)
+    return out, merged
