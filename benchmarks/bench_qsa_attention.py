@@ -10,7 +10,7 @@ then the row's incomplete tail block, -1 where absent).
 cluster launch (mate.qsa.attention.cluster_splits): run it beside a plain run for the A/B.
 
 `--variants NAME=FILE ...` is the same-run A/B of attention and merge programs (FILE: another version of
-mate/qsa/kernels/sparse.py with the same program signatures, `-` the shipped one; mate.testing.program_variants):
+mate/qsa/kernels/sparse.py with the same program signatures, `-` the shipped one; overrides.program_variants):
 every case is checked and timed (cold and back-to-back graph) under each in turn, in the order given, and a
 table closes the output. The baseline and the split sweep are skipped then. With `--profile`, each
 variant's checked call runs once more between cudaProfilerStart/Stop instead of being timed, for
@@ -43,9 +43,8 @@ import torch.nn.functional as F
 from common import PEAK_BYTES, RESULTS, cold_graph_us, environment, few_ms, figure, graph_ms, median_ms, write_json
 
 import mate
-from mate.testing import (
-    SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, program_variants, qsa_serving_problem, without_cluster_launches,
-)
+from common import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
+from overrides import program_variants, without_cluster_launches
 
 HQ, HKV, D, PAGE = SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE
 L2_BYTES = 20e12  # L2 gather bandwidth measured on the H200 (issue #4)

@@ -178,12 +178,12 @@ def test_lazy_module_reads_the_module_as_it_is_now(monkeypatch):
 
 def test_import_mate_loads_no_tilelang():
     """TileLang and TVM take about a second to load: they come with the first native call, not with `import mate`
-    or mate.testing, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
+    or the tuner's workloads and measurement, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
     import subprocess
     import sys
 
     code = """
-import sys, torch, mate, mate.testing
+import sys, torch, mate, mate.tuning.measure, mate.tuning.workloads
 from mate import _dispatch
 loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
 assert not loaded(), ('import mate', loaded())
@@ -204,9 +204,9 @@ assert 'tilelang' in loaded(), loaded()
 
 
 def test_program_variants_switch_the_program_and_keep_each_versions_kernels(tmp_path):
-    """mate.testing.program_variants (the A/B benchmarks): the card builds from the chosen file, each version's
+    """benchmarks/overrides.py's program_variants (the A/B benchmarks): the card builds from the chosen file, each version's
     compiled kernels come back when it is chosen again, and on exit the shipped card and kernels are back."""
-    from mate.testing import program_variants
+    from overrides import program_variants
 
     src = tmp_path / "other_gqa.py"
     src.write_text("def gqa_fwd(**kw):\n    return ('other', kw)\n")
@@ -236,8 +236,8 @@ def test_program_variants_switch_the_program_and_keep_each_versions_kernels(tmp_
         _dispatch._kernels.pop(elsewhere, None)
 
 
-def test_config_lookups_of_mate_testing():
-    from mate.testing import gqa_config_key, shipped_tiles
+def test_config_lookups_of_the_benchmark_overrides():
+    from overrides import gqa_config_key, shipped_tiles
 
     assert gqa_config_key(torch.float16, 64, None) == "dtype=float16,dim=64,window=none"
     assert gqa_config_key(torch.bfloat16, 128, (-1, 0)) == "dtype=bfloat16,dim=128,window=causal"

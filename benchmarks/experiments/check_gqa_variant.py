@@ -5,7 +5,7 @@
 
 Without --decode, VARIANT.py is a version of mate/swa/kernels/gqa.py (stage gqa_fwd); with it, of
 mate/swa/kernels/gqa_decode.py (gqa_decode, the split-KV kernel of decode and paged prefill). Inside
-mate.testing.program_variants, every kernel of that stage the tests compile (for gqa_fwd, the
+benchmarks/overrides.py's program_variants, every kernel of that stage the tests compile (for gqa_fwd, the
 varlen/sinks/softcap options too) is built from VARIANT.py's program; the other stages stay the
 shipped ones. Fails if a test fails, or if a kernel of the stage the tests ran did not come from the
 variant (its generated CUDA must contain the variant's `MARK`): a run on the shipped program is no
@@ -38,7 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mate.testing import compile_variants, config_specs, program_variants, shipped_tiles, stage_kernels  # noqa: E402
+from overrides import compile_variants, config_specs, program_variants, shipped_tiles, stage_kernels  # noqa: E402
 
 DECODE_TESTS = [str(ROOT / "tests/test_gqa_options_gpu.py"), str(ROOT / "tests/test_gqa_gpu.py"),
                 "-k", "paged or decode or unequal_lengths", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT)]

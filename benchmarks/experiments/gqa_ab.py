@@ -5,7 +5,7 @@
 
 Per case (window, head dim, length; B 1, H 64, H_kv 8, BF16, the shipped tiles of
 configs/sm90.yaml), both programs are compiled with the same tiles, run on the same
-inputs through the public API (mate.testing.program_variants switches the program),
+inputs through the public API (overrides.program_variants switches the program),
 compared with each other (max abs difference) and timed in three interleaved rounds of
 do_bench medians (CUDA-graph replays, benchmarks/common.py); the middle round is
 reported. The other source must define `gqa_fwd` with the same signature. `--case=L,R,D,S`
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import PEAK_BYTES, RESULTS, graph_ms, rel_err, write_json  # noqa: E402
 import mate  # noqa: E402
-from mate.testing import program_variants  # noqa: E402
+from overrides import program_variants  # noqa: E402
 
 B, H, HKV = 1, 64, 8
 CASES = [((-1, 0), 128, 16384), ((512, 0), 128, 16384), ((-1, 0), 64, 16384), ((1024, 0), 64, 16384), ((31, 5), 128, 16384)]
@@ -75,7 +75,8 @@ DECODE_CASES = [(1, 64), (4, 64)]
 
 def decode_main(a) -> dict:
     from bench_gqa import decode_bytes, first_sdpa
-    from mate.testing import compile_variants, environment, shipped_tiles, using_kernel
+    from common import environment
+    from overrides import compile_variants, shipped_tiles, using_kernel
 
     shipped = {w: shipped_tiles("sm90", "gqa_decode", f"dtype=bfloat16,dim=128,window={w}") for w in DECODE_WINDOWS.values()}
     names = {"current": None, "other": str(a.against)}

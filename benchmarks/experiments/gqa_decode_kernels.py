@@ -20,7 +20,7 @@ from common import graph_ms
 from torch.profiler import ProfilerActivity, profile
 
 import mate
-from mate.testing import program_variants
+from overrides import program_variants
 
 B, CTX, H, HKV, D, PAGE, CALLS = 64, 8192, 64, 8, 128, 64, 20
 

@@ -4,7 +4,7 @@
                                            [--rows 1 8] [--splits 1 2 3 4 6 9] [--out FILE]
 
 B sequences x 8192 keys in a paged cache (pages in random order), H 64 / H_kv 8, BF16, dense causal and (4096, 0).
-Per (B, D, page size, rows, window): the shipped split count (mate.testing.gqa_decode_splits records what
+Per (B, D, page size, rows, window): the shipped split count (overrides.gqa_decode_splits records what
 gqa_attention chose) and each forced count, each checked against the reference on 8 sequences, then timed as
 bench_gqa.py times (CUDA-graph replay of back-to-back calls, median per call), with the percentage of 4.3 TB/s
 over bench_gqa.decode_bytes. One split writes the output itself; more write FP32 partials and run the merge.
@@ -21,7 +21,7 @@ from bench_gqa import H, HKV, decode_bytes, rnd, timed_ms
 from common import PEAK_BYTES, RESULTS, environment, rel_err, write_json
 
 import mate
-from mate.testing import gqa_decode_splits
+from overrides import gqa_decode_splits
 
 CTX = 8192
 

@@ -10,13 +10,13 @@ batches 1 and 64 (`--batches`), each request's context a random length in [4096,
 8192), or with `--full-contexts` all 8192 keys, as bench_mqa and issue 16 take them; `--page-size` picks
 the decode cache's page size (and the config entry the decode variants stand in for). Each version of VARIANTS (program: the current source or the other; tiles) is
 compiled first in parallel processes (TileLang's disk cache; --compile-only stops there, for a CPU
-host with nvcc), then handed to the dispatcher (mate.testing.using_kernel), so the public API runs it.
+host with nvcc), then handed to the dispatcher (overrides.using_kernel), so the public API runs it.
 
 Per variant: the relative error against the reference backend on fresh random inputs, with the
 output's memory poisoned (NaN) first; LAUNCHES back-to-back launches, whose last result must equal
 the first bit for bit; then in three interleaved rounds (the middle one reported) the time of one
 call per CUDA-graph replay with L2 flushed before each (do_bench; the issue's method: "cold") and
-of back-to-back calls in one graph ("warm", mate.testing.graph_ms).
+of back-to-back calls in one graph ("warm", common.graph_ms).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--full-contexts", action="store_true", help="every request's 8192 keys (bench_mqa's decode inputs)")
     ap.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64], help="decode's page size")
     a = ap.parse_args(argv)
-    from mate.testing import cache_variants, compile_variant, environment, graph_ms, using_kernel
+    from common import environment, graph_ms
+    from overrides import cache_variants, compile_variant, using_kernel
 
     keys = dict(KEYS, mqa_decode=dict(DECODE_KEY, page_size=a.page_size))
     todo = jobs(a.against, keys)

@@ -16,8 +16,8 @@ T = 16), and the seed shape of issue 5 (L = 65536, D = 128, block 64) at each
 case's programs first in N processes (TileLang's disk cache keys a kernel by
 its program, so the timed process loads them). The other sources must define
 `nsa_selection_fwd` with the same signature; their PASS_CONFIGS are used if
-they have them. All run through the public API (mate.testing.program_variants
-switches the program; the workload is the tuner's, mate.testing.nsa_selection_workload).
+they have them. All run through the public API (overrides.program_variants
+switches the program; the workload is the tuner's, mate.tuning.workloads.nsa_selection_workload).
 A version that is not the same function (a timing probe that leaves a step
 out) shows its error and is timed all the same.
 """
@@ -33,7 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import RESULTS, environment, median_ms, write_json  # noqa: E402
-from mate.testing import cache_variants, nsa_selection_workload, program_variants, using_tiles  # noqa: E402
+from mate.tuning.measure import using_tiles  # noqa: E402
+from mate.tuning.workloads import nsa_selection_workload  # noqa: E402
+from overrides import cache_variants, program_variants  # noqa: E402
 
 QUICK = dict(seq=8192, heads=128, kv_heads=8, selected=16)
 SPECS = [dict(dtype="bfloat16", dim=d, block_size=b) for d in (64, 128) for b in (32, 64)]

@@ -4,7 +4,7 @@
     python benchmarks/qsa_merge_ab.py --against /tmp/old_sparse.py [NAME=FILE ...] [--out FILE]
 
 Per case (splits, rows, heads, D; FP32 partials with a third of the splits -inf, BF16 output, LSE written), both
-programs run on the same inputs through the public API (mate.testing.program_variants switches the merge program),
+programs run on the same inputs through the public API (overrides.program_variants switches the merge program),
 are checked against the reference and timed as one call per CUDA-graph replay with L2 flushed (do_bench median),
 in two interleaved rounds; the smaller is reported. Each other source ("other", or NAME=FILE) must define `merge`
 with the same signature.
@@ -20,7 +20,7 @@ from bench_qsa_attention import cold_graph_us
 from common import RESULTS, environment, rel_err, write_json
 
 import mate
-from mate.testing import program_variants
+from overrides import program_variants
 
 # QSA's (24 heads, D 256) at the decode split counts and the public-merge shapes;
 # GQA decode's (64 heads, D 128; B 64 x 1, 4 and 8 rows at 3 splits: bench_gqa --decode's)

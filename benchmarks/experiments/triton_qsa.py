@@ -5,7 +5,7 @@ softmax, then (splits > 1) a merge kernel; the per-head gate at the end.
 
   python benchmarks/triton_qsa.py [--batches 1 8 64 256] [--prefill-rows 4096] [--configs vllm sweep]
 
-Each case times mate (num_splits=None) and every Triton config on the same inputs (mate.testing's
+Each case times mate (num_splits=None) and every Triton config on the same inputs (common's
 qsa_serving_problem, seed 0), one call per CUDA-graph replay with L2 flushed (common.cold_graph_us); every
 result is checked against backend='reference' first. `vllm` is the issue's table of the anchor's sm90
 choices (>= 2048 programs: 1 split, 32 tokens, 1 warp; <= 32 programs: 64 splits, 64 tokens, 2 warps;
@@ -25,7 +25,7 @@ import triton.language as tl
 from common import RESULTS, cold_graph_us, environment, rel_err, write_json
 
 import mate
-from mate.testing import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
+from common import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
 
 LOG2E = 1.4426950408889634
 

@@ -142,7 +142,7 @@ def native_after_poison(native):
 def measure(tunable, target, config, key, tiles, loads, refs) -> dict:
     """Check every shape against the reference (native_after_poison), then time it; {'us': geomean,
     'shapes_us': [...]} or {'error'/'wrong': ...}."""
-    from mate.testing import graph_ms, using_tiles
+    from mate.tuning.measure import graph_ms, using_tiles
 
     try:
         with using_tiles(target, tunable.stage, key, tiles, config):
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
         print(f"compiled {sum(len(c) for c, _, _ in plan.values()) - len(errors)} candidates, {len(errors)} failed")
         return 0
 
-    from mate.testing import environment
+    from mate.tuning.measure import environment
 
     env = environment()
     rows, updates = [], {}

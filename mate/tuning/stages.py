@@ -4,7 +4,7 @@ A `Tunable` takes everything from the stage's card (mate/*/kernels/*_card.py): t
 search space (values per tile parameter), the limits a candidate must meet before it
 is compiled (shared memory, registers, the kernel's own shape rules), the problem
 shapes it is timed on (presets `quick` and `full`), the tolerance, and its workload,
-a function of mate.testing that builds inputs on the GPU and two calls, the native
+a function of mate.tuning.workloads that builds inputs on the GPU and two calls, the native
 entrypoint and its reference. The tuner runs the native call under each candidate's
 tiles (through the public API, so the wrapper sees the tiles too) and compares it
 with the reference. Nothing here names a stage.
@@ -19,8 +19,9 @@ from typing import Callable
 
 import torch
 
-from mate import _dispatch, testing
+from mate import _dispatch
 from mate._stage import Stage
+from mate.tuning import workloads
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class Tunable:
 
     @classmethod
     def of(cls, card: Stage) -> "Tunable":
-        """The tuner's entry of a stage, all from its card (the workload by name from mate.testing)."""
-        return cls(card.name, card.space, card.limits, card.shapes, getattr(testing, card.workload), card.tol)
+        """The tuner's entry of a stage, all from its card (the workload by name from mate.tuning.workloads)."""
+        return cls(card.name, card.space, card.limits, card.shapes, getattr(workloads, card.workload), card.tol)
 
 
 def candidates(t: Tunable, spec: dict) -> tuple[list[dict], list[tuple[dict, str]]]:
