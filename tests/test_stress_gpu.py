@@ -233,7 +233,7 @@ def test_gqa_split_kv_finishes_back_to_back_launches():
 
 
 # The split-KV kernel's ring depths at D 128 (its copies and the ids a tile ahead are hand-synchronized):
-# the tiles benchmarks/gqa_ab.py --decode timed (64 x 2 ships), on the card's quick workload (dense causal).
+# the tiles benchmarks/experiments/gqa_ab.py --decode timed (64 x 2 ships), on the card's quick workload (dense causal).
 DECODE_RINGS = [(128, 3), (64, 2), (32, 3), (32, 4)]
 
 

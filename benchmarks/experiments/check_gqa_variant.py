@@ -1,7 +1,7 @@
 """The GQA GPU tests, run with another version of a GQA kernel module's program.
 
-    python benchmarks/variants/check_gqa_variant.py [--decode] VARIANT.py [pytest arguments ...]
-    python benchmarks/variants/check_gqa_variant.py [--decode] --precompile VARIANT.py [JOBS]
+    python benchmarks/experiments/check_gqa_variant.py [--decode] VARIANT.py [pytest arguments ...]
+    python benchmarks/experiments/check_gqa_variant.py [--decode] --precompile VARIANT.py [JOBS]
 
 Without --decode, VARIANT.py is a version of mate/swa/kernels/gqa.py (stage gqa_fwd); with it, of
 mate/swa/kernels/gqa_decode.py (gqa_decode, the split-KV kernel of decode and paged prefill). Inside
@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
 from overrides import compile_variants, config_specs, program_variants, shipped_tiles, stage_kernels  # noqa: E402
 

@@ -1,6 +1,6 @@
 """What MATE_DEBUG_CHECKS costs: each entrypoint timed with the debug value checks off and on.
 
-    python benchmarks/debug_checks_cost.py [--out FILE]
+    python benchmarks/experiments/debug_checks_cost.py [--out FILE]
 
 Times are medians of triton.testing.do_bench over back-to-back calls (not CUDA-graph
 replays: the checks sync with the host, so graphs cannot hold them), so both columns
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 import mate  # noqa: E402
 from common import RESULTS, median_ms, write_json  # noqa: E402

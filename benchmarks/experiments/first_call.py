@@ -1,7 +1,7 @@
 """First-call latency of native entrypoints in a fresh process: `import mate`, then each call's first and second time.
 
-    TILELANG_CACHE_DIR=<empty dir> python benchmarks/first_call.py     # the kernels compile at the first call
-    mate-precompile; python benchmarks/first_call.py                 # the kernels load from TileLang's disk cache
+    TILELANG_CACHE_DIR=<empty dir> python benchmarks/experiments/first_call.py     # the kernels compile at the first call
+    mate-precompile; python benchmarks/experiments/first_call.py                 # the kernels load from TileLang's disk cache
 
 Each first call includes loading TileLang (once per process) and compiling or
 loading its kernel; the second is the steady state. Prints one line per call.

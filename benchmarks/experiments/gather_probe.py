@@ -22,7 +22,7 @@ gathered bytes per us per CTA. H200 results and what they decided (eight produce
 no per-row TMA): benchmarks/results/NVIDIA_H200-2026-12-01-qsa-gather-probe.md; `ld`:
 benchmarks/results/NVIDIA_H200-2026-12-02-qsa-ring-ldg.md.
 
-    python benchmarks/gather_probe.py [--modes cp cp4 tma tma4 ld] [--ctas 22 66 132 264] [--tiles 1 3 8 33]
+    python benchmarks/experiments/gather_probe.py [--modes cp cp4 tma tma4 ld] [--ctas 22 66 132 264] [--tiles 1 3 8 33]
                                       [--stages 1 2 3] [--producers 128 256] [--pool-pages 8192]
 """
 
@@ -147,8 +147,12 @@ def main():
     kernels = {(m, s, p): compile_probe(m, s, p) for m in args.modes for s in args.stages for p in args.producers}
     if args.compile_only:
         return
+    import sys
+    from pathlib import Path
+
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
     from common import cold_graph_us
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The GQA kernel against another version of its source, in one process on the same data.
 
     git show REV:mate/swa/kernels/gqa.py > /tmp/old_gqa.py
-    python benchmarks/gqa_ab.py --against /tmp/old_gqa.py [--out FILE]
+    python benchmarks/experiments/gqa_ab.py --against /tmp/old_gqa.py [--out FILE]
 
 Per case (window, head dim, length; B 1, H 64, H_kv 8, BF16, the shipped tiles of
 configs/sm90.yaml), both programs are compiled with the same tiles, run on the same
@@ -14,7 +14,7 @@ reported. The other source must define `gqa_fwd` with the same signature. `--cas
 (its ratio is current / that version, its max diff against the current one).
 
     git show REV:mate/swa/kernels/gqa_decode.py > /tmp/old_gqa_decode.py
-    python benchmarks/gqa_ab.py --decode --against /tmp/old_gqa_decode.py [--tiles 64,64,128,2 ...] [--other-tiles ...] [--out FILE]
+    python benchmarks/experiments/gqa_ab.py --decode --against /tmp/old_gqa_decode.py [--tiles 64,64,128,2 ...] [--other-tiles ...] [--out FILE]
 
 --decode does the same for the split-KV kernel (gqa_decode) on bench_gqa's decode shape (B 64 x 8192
 keys in a paged cache, pages in random order, H 64 / 8, D 128, BF16; 1 and 4 query rows, dense causal
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 from common import PEAK_BYTES, RESULTS, graph_ms, rel_err, write_json  # noqa: E402
 import mate  # noqa: E402

@@ -1,6 +1,6 @@
 """GQA paged decode's kernels one by one: the split-KV attention kernel and the SplitKV merge (bench_gqa --decode's shape).
 
-    python benchmarks/gqa_decode_kernels.py [--merge-variant FILE]
+    python benchmarks/experiments/gqa_decode_kernels.py [--merge-variant FILE]
 
 B 64 x 8192 keys in pages of 64 (random order), H 64 / 8, D 128, BF16; 1 and 4 query rows, dense causal and
 (4096, 0). Per case: each kernel's median time over 20 calls (torch.profiler, kernels in call order: the
@@ -14,13 +14,17 @@ benchmarks/results/NVIDIA_H200-2026-12-02-gqa_decode_tma.md.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from common import graph_ms
 from torch.profiler import ProfilerActivity, profile
 
-import mate
-from overrides import program_variants
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, overrides, bench_*
+
+import mate  # noqa: E402
+from common import graph_ms  # noqa: E402
+from overrides import program_variants  # noqa: E402
 
 B, CTX, H, HKV, D, PAGE, CALLS = 64, 8192, 64, 8, 128, 64, 20
 

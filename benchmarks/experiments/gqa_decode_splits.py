@@ -1,6 +1,6 @@
 """GQA paged decode's key-split count: the shipped choice beside forced counts, on bench_gqa --decode's shape.
 
-    python benchmarks/gqa_decode_splits.py [--batches 16 24 32 40 48 56 64] [--dims 128 64] [--pages 64 16]
+    python benchmarks/experiments/gqa_decode_splits.py [--batches 16 24 32 40 48 56 64] [--dims 128 64] [--pages 64 16]
                                            [--rows 1 8] [--splits 1 2 3 4 6 9] [--out FILE]
 
 B sequences x 8192 keys in a paged cache (pages in random order), H 64 / H_kv 8, BF16, dense causal and (4096, 0).
@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
-from bench_gqa import H, HKV, decode_bytes, rnd, timed_ms
-from common import PEAK_BYTES, RESULTS, environment, rel_err, write_json
 
-import mate
-from overrides import gqa_decode_splits
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, overrides, bench_*
+
+import mate  # noqa: E402
+from bench_gqa import H, HKV, decode_bytes, rnd, timed_ms  # noqa: E402
+from common import PEAK_BYTES, RESULTS, environment, rel_err, write_json  # noqa: E402
+from overrides import gqa_decode_splits  # noqa: E402
 
 CTX = 8192
 

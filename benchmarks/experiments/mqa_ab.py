@@ -1,7 +1,7 @@
 """The MQA indexer kernels against another version of their source, in one process on the same data.
 
     git show b8777bc:mate/qsa/kernels/mqa.py > /tmp/old_mqa.py
-    python benchmarks/mqa_ab.py --against /tmp/old_mqa.py [--out FILE] [--compile-only] [--workers N]
+    python benchmarks/experiments/mqa_ab.py --against /tmp/old_mqa.py [--out FILE] [--compile-only] [--workers N]
                                 [--batches 1 64] [--full-contexts] [--page-size 16]
 
 Issue 16's shapes (bench_mqa's cases): prefill, 8192 rows at positions 24576..32767 of a request
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 from common import RESULTS, cold_graph_us, rel_err, write_json  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The NSA selection kernel against other versions of its source, in one process on the same data.
 
     git show REV:mate/nsa/kernels/selection.py > /tmp/old_selection.py
-    python benchmarks/nsa_ab.py --against /tmp/old_selection.py [--tiles 2/3 2/2] [--out FILE]
-    python benchmarks/nsa_ab.py --against old=/tmp/old.py try=/tmp/try.py --seed-only --heads 128:8 64:8 --jobs 16
+    python benchmarks/experiments/nsa_ab.py --against /tmp/old_selection.py [--tiles 2/3 2/2] [--out FILE]
+    python benchmarks/experiments/nsa_ab.py --against old=/tmp/old.py try=/tmp/try.py --seed-only --heads 128:8 64:8 --jobs 16
 
 For a kernel change, side by side: per case (specialization key, num_stages /
 CTAs per SM, shape), every program (the shipped one, "current", and each
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 from common import RESULTS, environment, median_ms, write_json  # noqa: E402
 from mate.tuning.measure import using_tiles  # noqa: E402

@@ -1,7 +1,7 @@
 """The public SplitKV merge (mate.merge_attention_states) against another version of its program, in one process.
 
     git show REV:mate/qsa/kernels/sparse.py > /tmp/old_sparse.py
-    python benchmarks/qsa_merge_ab.py --against /tmp/old_sparse.py [NAME=FILE ...] [--out FILE]
+    python benchmarks/experiments/qsa_merge_ab.py --against /tmp/old_sparse.py [NAME=FILE ...] [--out FILE]
 
 Per case (splits, rows, heads, D; FP32 partials with a third of the splits -inf, BF16 output, LSE written), both
 programs run on the same inputs through the public API (overrides.program_variants switches the merge program),
@@ -13,14 +13,15 @@ with the same signature.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
-from bench_qsa_attention import cold_graph_us
-from common import RESULTS, environment, rel_err, write_json
 
-import mate
-from overrides import program_variants
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, overrides, bench_*
+import mate  # noqa: E402
+from common import RESULTS, cold_graph_us, environment, rel_err, write_json  # noqa: E402
+from overrides import program_variants  # noqa: E402
 
 # QSA's (24 heads, D 256) at the decode split counts and the issue's public-merge shapes;
 # GQA decode's (64 heads, D 128; B 64 x 1, 4 and 8 rows at 3 splits: bench_gqa --decode's)

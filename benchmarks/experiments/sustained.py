@@ -15,8 +15,8 @@ at 16k, (4096, 0) at 64k (issue 17's). Implementations: `mate` (mate.gqa_attenti
 importable as fa3_fwd_interface; dense causal only: the wheel has no local windows). The fa3-fwd
 wheel (27 MB) cannot travel to the H200 beside TileLang's bundle (51 MB), so run it in its own call:
 
-    python benchmarks/sustained.py --impls mate cudnn --out benchmarks/results/sustained-mate.json
-    PYTHONPATH=<fa3-fwd wheel unpacked> python benchmarks/sustained.py --impls fa3 cudnn --out ...-fa3.json
+    python benchmarks/experiments/sustained.py --impls mate cudnn --out benchmarks/results/sustained-mate.json
+    PYTHONPATH=<fa3-fwd wheel unpacked> python benchmarks/experiments/sustained.py --impls fa3 cudnn --out ...-fa3.json
 
 Each implementation's output is checked first on the last 512 query rows against mate's reference
 backend (relative error in the JSON). FLOPs = 4 * H * D * visible (query, key) pairs.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 from bench_gqa import cudnn_causal, visible_pairs  # noqa: E402
 from common import RESULTS, environment, rel_err, write_json  # noqa: E402

@@ -3,7 +3,7 @@ here (vLLM's source is not on the GPU host): one small program per (row, KV head
 heads padded to BLOCK_M = 16, BLOCK_N selected tokens a step gathered through the block table, an online
 softmax, then (splits > 1) a merge kernel; the per-head gate at the end.
 
-  python benchmarks/triton_qsa.py [--batches 1 8 64 256] [--prefill-rows 4096] [--configs vllm sweep]
+  python benchmarks/experiments/triton_qsa.py [--batches 1 8 64 256] [--prefill-rows 4096] [--configs vllm sweep]
 
 Each case times mate (num_splits=None) and every Triton config on the same inputs (common's
 qsa_serving_problem, seed 0), one call per CUDA-graph replay with L2 flushed (common.cold_graph_us); every
@@ -19,13 +19,19 @@ from __future__ import annotations
 import argparse
 import math
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
-from common import RESULTS, cold_graph_us, environment, rel_err, write_json
 
-import mate
-from common import SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, qsa_serving_problem
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, overrides, bench_*
+
+import mate  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS, SERVING_D, SERVING_HKV, SERVING_HQ, SERVING_PAGE, cold_graph_us, environment, qsa_serving_problem, rel_err, write_json,
+)
 
 LOG2E = 1.4426950408889634
 
