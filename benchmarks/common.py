@@ -19,7 +19,7 @@ import torch
 from mate.tuning.measure import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The ceilings measured on one H200 (README, "The report on one H200"): the dense bf16 matrix rate on
+# The ceilings measured on one H200 (docs/performance.md, "How it is measured"): the dense bf16 matrix rate on
 # random data and the device-to-device copy bandwidth. Other GPUs need their own.
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
