@@ -47,7 +47,8 @@ import torch
 from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, environment, figure, graph_ms, rel_err, write_json
 
 import mate
-from mate.testing import compile_kernels, gqa_config_key, shipped_tiles, using_tiles
+from mate.tuning.measure import using_tiles
+from overrides import compile_kernels, gqa_config_key, shipped_tiles
 
 B, H, HKV = 1, 64, 8
 WINDOWS = [(512, 0), (1024, 0), (4096, 0), (8192, 0), (-1, 0)]

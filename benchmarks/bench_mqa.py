@@ -33,7 +33,7 @@ import torch
 from common import PEAK_BYTES, PEAK_FLOPS, RESULTS, cold_graph_us, environment, figure, graph_ms, median_ms, rel_err, write_json
 
 import mate
-from mate.testing import using_tiles
+from mate.tuning.measure import using_tiles
 
 H, D = 4, 128
 REPORT = dict(stage="mqa", quick=["--rows", "2048", "8192", "--batches", "1", "16", "64"],

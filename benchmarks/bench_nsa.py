@@ -53,7 +53,9 @@ import torch.nn.functional as F
 from common import RESULTS, environment, few_ms, figure, median_ms, rel_err, write_json
 
 import mate
-from mate.testing import compile_kernels, draw_block_indices, nsa_backward_parts, shipped_tiles, using_tiles
+from mate.tuning.measure import using_tiles
+from mate.tuning.workloads import draw_block_indices, nsa_backward_parts
+from overrides import compile_kernels, shipped_tiles
 
 D, T_SEL, BS = 128, 16, 64
 KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS

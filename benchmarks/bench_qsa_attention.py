@@ -2,7 +2,7 @@
 
 24 Q / 2 KV heads, D 256, BF16, 64-token pages in random pool order; each row selects 512 distinct complete
 causal 4-token blocks at random, in random order, expanded to 2048 tokens, then its own incomplete tail block
-(-1 where absent): 2051 slots (mate.testing.qsa_serving_problem). A per-element BF16 gate [rows, 24, 256].
+(-1 where absent): 2051 slots (common.qsa_serving_problem). A per-element BF16 gate [rows, 24, 256].
 
   decode rows=1 / 8 / 64   request r holds 32768 - 1 - (r mod 4) tokens, one row at its last position, every
                            request its own pages (rows 64: a 4.3 GB pool)
@@ -35,11 +35,12 @@ import itertools
 import os
 
 import torch
-from common import RESULTS, cold_graph_us, environment, write_json
+from common import RESULTS, SERVING_D, SERVING_HKV, cold_graph_us, environment, qsa_serving_problem, write_json
+from overrides import program_variants
 
 import mate
 from mate.qsa import attention
-from mate.testing import SERVING_D, SERVING_HKV, program_variants, qsa_serving_problem, using_tiles
+from mate.tuning.measure import using_tiles
 
 REPORT = dict(stage="qsa_attention", quick=["--cases", "decode1", "decode64", "--no-hbm-pools"], full=[])
 

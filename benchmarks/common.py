@@ -1,6 +1,6 @@
-"""Shared code of the benchmark scripts: timing, run metadata, result files and plots.
+"""Shared code of the benchmark scripts: timing, run metadata, issue #16's QSA serving inputs, result files and plots.
 
-Timing and metadata are the tuner's (mate/testing.py), so a tuned time and a
+Timing and metadata are the tuner's (mate/tuning/measure.py), so a tuned time and a
 benchmarked time are the same measurement. A benchmark script that takes part
 in the report (benchmarks/run.py) defines:
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from mate.testing import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
+from mate.tuning.measure import capture_graph, environment, graph_ms, median_ms  # noqa: F401  (re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The ceilings measured on one H200 (README, "The report on one H200"): the dense bf16 matrix rate on
+# The ceilings measured on one H200 (docs/performance.md, "How it is measured"): the dense bf16 matrix rate on
 # random data and the device-to-device copy bandwidth. Other GPUs need their own.
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
@@ -55,6 +55,59 @@ def rel_err(out, ref) -> float:
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(out)), "-inf pattern differs"
     return float((out[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- QSA sparse attention: issue #16's serving inputs (CUDA)
+# (bench_qsa_attention, experiments/triton_qsa, and the GPU tests at the same shapes)
+
+SERVING_HQ, SERVING_HKV, SERVING_D, SERVING_PAGE, SERVING_CONTEXT, SERVING_BLOCKS, SERVING_SHARED_POOL = 24, 2, 256, 64, 32768, 512, 512
+
+
+def qsa_serving_selection(gen, positions):
+    """[rows, 2051] token ids and [rows, 512] block ids (issue #16): 512 distinct complete causal 4-token blocks
+    in random order, expanded, then the tokens of the row's own incomplete tail block (-1 where absent)."""
+    tokens, blocks = [], []
+    for p in positions.tolist():
+        full = (p + 1) // 4  # blocks j with 4j + 3 <= p
+        blk = torch.randperm(full, generator=gen)[:SERVING_BLOCKS]
+        tail = torch.arange(4 * full, 4 * full + 3)
+        tokens.append(torch.cat([(blk[:, None] * 4 + torch.arange(4)).flatten(), torch.where(tail <= p, tail, -1)]))
+        blocks.append(blk)
+    return torch.stack(tokens).to(torch.int32), torch.stack(blocks).to(torch.int32)
+
+
+def qsa_serving_problem(gen, batch, rows_per_req, *, pool=None, gate="head"):
+    """Issue #16's inputs (issue #37's with pool and gate="element"). Decode (rows_per_req 1): request r holds
+    32768 - 1 - (r mod 4) tokens, one row at its last position, its pages a random draw from the pool: `pool`
+    pages shared by the requests (default: 512 from batch 256 on, else pages of its own). Prefill: the last
+    rows_per_req positions of one 32768-token request. A BF16 gate per head ("head"), per element ("element",
+    [rows, 24, 256], what vLLM's output_gate takes) or none. Pools past a few pages are drawn on the GPU."""
+    pages = SERVING_CONTEXT // SERVING_PAGE
+    if rows_per_req == 1:
+        seq = torch.tensor([SERVING_CONTEXT - 1 - r % 4 for r in range(batch)])
+        pool = pool or (SERVING_SHARED_POOL if batch >= 256 else None)
+        if pool:
+            table = torch.stack([torch.randperm(pool, generator=gen)[:pages] for _ in range(batch)])
+        else:
+            pool = batch * pages
+            table = torch.randperm(pool, generator=gen).view(batch, pages)
+        positions = seq - 1
+    else:
+        seq = torch.full((batch,), SERVING_CONTEXT)
+        pool = batch * pages
+        table = torch.randperm(pool, generator=gen).view(batch, pages)
+        positions = torch.arange(SERVING_CONTEXT - rows_per_req, SERVING_CONTEXT).repeat(batch)
+    rows = batch * rows_per_req
+    dev = torch.Generator("cuda").manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    k = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=dev, device="cuda").to(torch.bfloat16)
+    v = torch.randn(pool, SERVING_PAGE, SERVING_HKV, SERVING_D, generator=dev, device="cuda").to(torch.bfloat16)
+    q = torch.randn(rows, SERVING_HQ, SERVING_D, generator=gen).to(torch.bfloat16).cuda()
+    ti, bi = qsa_serving_selection(gen, positions)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * rows_per_req
+    g = None if gate is None else torch.randn(rows, SERVING_HQ, *((SERVING_D,) if gate == "element" else ()), generator=gen)
+    return dict(query=q, key=k, value=v, token_indices=ti.cuda(), block_table=table.to(torch.int32).cuda(),
+                cu_seqlens_q=cu.cuda(), seq_lens_k=seq.to(torch.int32).cuda(),
+                gate=None if g is None else g.to(torch.bfloat16).cuda()), bi.cuda()
 
 
 def write_json(path, data) -> Path:

@@ -4,7 +4,7 @@ vLLM vllm/models/qwen4_exp/nvidia/ops/qsa.py @ 010efafd and SGLang
 python/sglang/srt/layers/attention/qsa/sparse_attn.py @ 0a8037da, into the ignored .gpu/upstream/).
 
 vLLM's module imports three vLLM helpers; `load` stands them in with the few names it reads (the device capability
-and Triton itself). Each baseline takes mate's problem dict (mate.testing.qsa_serving_problem: paged K/V, cu_seqlens_q,
+and Triton itself). Each baseline takes mate's problem dict (benchmarks/common.py, qsa_serving_problem: paged K/V, cu_seqlens_q,
 2051 request-local token ids a row, a per-element gate) and returns a call that writes its output:
 
 - vLLM: `qsa_sparse_paged_attention` as vLLM calls it: the packed [rows, W + 1] index buffer (its last column the

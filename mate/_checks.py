@@ -234,8 +234,12 @@ def _self_overlaps(x: torch.Tensor) -> bool:
 
 
 def out_buffer(name: str, out, *, shape, dtype, device) -> torch.Tensor:
-    """A caller-provided output: exact shape, dtype and device, positive strides, no self-overlap."""
+    """A caller-provided output: exact shape, dtype and device, positive strides, no self-overlap, and not
+    recorded by autograd (both backends write it in place, where autograd would see no operation or refuse one)."""
     tensor(name, out)
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but an output buffer is written in place outside autograd; pass one that "
+                         f"does not require grad (e.g. {name}.detach()), or call under torch.no_grad()")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:

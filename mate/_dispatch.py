@@ -220,7 +220,7 @@ def _program(stage: str, spec: dict, target: str, tile_values: dict | None, card
 
 def compile_program(stage: str, spec: dict, target: str, tile_values: dict | None = None, card=None):
     """Build and compile one specialization (used by dispatch, mate-precompile, the CI compile check and tuning);
-    `card`: another version of the stage's card in its place (mate.testing.compile_variant).
+    `card`: another version of the stage's card in its place (benchmarks/overrides.py's compile_variant).
 
     TileLang's disk cache is safe for processes compiling the same kernel at once: each writes its entry into a
     staging directory of its own (every file through a temporary name, fsynced, with a manifest of sizes and

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from mate.nsa import selection
-from mate.qsa import attention, indexer, merge
+from mate import merge
+from mate.qsa import attention, indexer
 from mate.swa import attention as swa
 
 

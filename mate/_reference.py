@@ -19,3 +19,11 @@ def visible_value_sum(p: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -
     out = p @ torch.where(bad, 0.0, v)
     seen = (visible.to(v.dtype) @ bad.to(v.dtype)) > 0
     return torch.where(seen, float("nan"), out)
+
+
+def apply_gate(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """out * sigmoid(gate) in FP32; gate is per head (out.shape[:-1]) or per element (out.shape)."""
+    if gate is None:
+        return out
+    g = torch.sigmoid(gate.float())
+    return out * (g.unsqueeze(-1) if g.dim() == out.dim() - 1 else g)

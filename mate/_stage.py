@@ -46,7 +46,7 @@ class Stage:
     the program needs to compile as written.
 
     mate-tune times a candidate on the card's `shapes` with its `workload`, named, like the
-    program, so that the card imports neither it nor torch: a function of mate.testing (where the
+    program, so that the card imports neither it nor torch: a function of mate.tuning.workloads (where the
     tests and benchmarks find it too), `(spec, shape) -> (native call, reference call[, pick])`. The
     calls return a tensor or a tuple of tensors; `pick`, where given, maps the native outputs
     to the part the reference computes (a reference too slow for the whole timed shape checks

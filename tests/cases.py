@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import mate
-from mate.testing import nsa_indices, qsa_token_rows, randint, randn, tail_view
+from inputs import nsa_indices, qsa_token_rows, randint, randn, tail_view
 
 I32 = torch.int32
 BF16 = torch.bfloat16

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 import mate
-from mate.testing import randint, randn
+from inputs import randint, randn
 
 I32 = torch.int32
 BF16 = torch.bfloat16

@@ -5,7 +5,7 @@ import traceback
 
 import torch
 
-from mate.testing import capture_graph  # noqa: F401  (the tests capture graphs as the benchmarks do)
+from mate.tuning.measure import capture_graph  # noqa: F401  (the tests capture graphs as the benchmarks do)
 
 
 def poison_allocator(device, nbytes=1 << 28):

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "benchmarks"))  # common: issue 16's QSA inputs (qsa_serving_selection)
 TOOLS = ("memcheck", "racecheck")
 
 
@@ -50,7 +51,7 @@ def nsa_backward(device, gen):
 
     import mate
     from cases import I32, Problem
-    from mate.testing import nsa_indices, randint, randn, tail_view
+    from inputs import nsa_indices, randint, randn, tail_view
 
     B, M, N, G, hpg, D, T, bs = 2, 37, 150, 2, 3, 128, 6, 32
     q = tail_view(gen, (B, M, G * hpg, D), device=device, pad_cols=8)
@@ -82,7 +83,8 @@ def _qsa_paged_rows(device, gen, rows, width, hinted, splits=1):
 
     import mate
     from cases import I32, Problem
-    from mate.testing import qsa_serving_selection, tail_view
+    from common import qsa_serving_selection
+    from inputs import tail_view
 
     hq, hkv, D, ps, pages = 24, 2, 256, 64, 40
     query = tail_view(gen, (rows, hq, D), device=device)

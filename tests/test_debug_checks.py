@@ -1,7 +1,7 @@
 """MATE_DEBUG_CHECKS / mate.debug_checks(): value checks of what the fast path trusts (mate/_debug.py).
 
 Run on the CPU through the reference backend (the checks sit in each entrypoint's
-validation, before the backend is chosen); the GPU run of benchmarks/debug_checks_cost.py
+validation, before the backend is chosen); the GPU run of benchmarks/experiments/debug_checks_cost.py
 exercises them on device tensors.
 """
 

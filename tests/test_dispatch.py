@@ -27,8 +27,9 @@ def test_keys_round_trip():
 
 
 def test_the_api_modules_use_the_listed_stages():
-    """Every listed stage is one an API module (mate/<family>/*.py) looks up, the listed card itself, and the
-    API modules hold no other (found by scanning them, so a new stage needs no edit here)."""
+    """Every listed stage is one an API module (mate/<family>/*.py, or a public mate/*.py such as the merge) looks
+    up, the listed card itself, and the API modules hold no other (found by scanning them, so a new stage needs no
+    edit here)."""
     import importlib
     import pkgutil
 
@@ -37,7 +38,8 @@ def test_the_api_modules_use_the_listed_stages():
 
     used = []
     for info in pkgutil.walk_packages(mate.__path__, "mate."):
-        if info.name.count(".") == 2 and not info.ispkg:  # mate.<family>.<api>, not the kernels packages
+        # mate.<family>.<api> and mate.<api>, not the kernels packages, private modules or __main__
+        if not info.ispkg and info.name.count(".") <= 2 and not info.name.rsplit(".", 1)[-1].startswith("_"):
             used += [v for v in vars(importlib.import_module(info.name)).values() if isinstance(v, Stage)]
     assert sorted({s.name for s in used}) == sorted(_dispatch.STAGES)
     assert all(_dispatch.STAGES[s.name] is s for s in used)
@@ -178,16 +180,16 @@ def test_lazy_module_reads_the_module_as_it_is_now(monkeypatch):
 
 def test_import_mate_loads_no_tilelang():
     """TileLang and TVM take about a second to load: they come with the first native call, not with `import mate`
-    or mate.testing, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
+    or the tuner's workloads and measurement, or a reference call (a fresh interpreter, since this one may have loaded them already)."""
     import subprocess
     import sys
 
     code = """
-import sys, torch, mate, mate.testing
+import sys, torch, mate, mate.tuning.measure, mate.tuning.workloads
 from mate import _dispatch
 loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'tilelang', 'tvm', 'tvm_ffi'})
 assert not loaded(), ('import mate', loaded())
-from tuning import stages  # the tuner's entries read the stage cards, which need no TileLang
+from mate.tuning import stages  # the tuner's entries read the stage cards, which need no TileLang
 assert not loaded(), ('the stage cards', loaded())
 q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 1, 64)
 mate.gqa_attention(q, k, k, backend='reference')
@@ -204,9 +206,9 @@ assert 'tilelang' in loaded(), loaded()
 
 
 def test_program_variants_switch_the_program_and_keep_each_versions_kernels(tmp_path):
-    """mate.testing.program_variants (the A/B benchmarks): the card builds from the chosen file, each version's
+    """benchmarks/overrides.py's program_variants (the A/B benchmarks): the card builds from the chosen file, each version's
     compiled kernels come back when it is chosen again, and on exit the shipped card and kernels are back."""
-    from mate.testing import program_variants
+    from overrides import program_variants
 
     src = tmp_path / "other_gqa.py"
     src.write_text("def gqa_fwd(**kw):\n    return ('other', kw)\n")
@@ -236,8 +238,8 @@ def test_program_variants_switch_the_program_and_keep_each_versions_kernels(tmp_
         _dispatch._kernels.pop(elsewhere, None)
 
 
-def test_config_lookups_of_mate_testing():
-    from mate.testing import gqa_config_key, shipped_tiles
+def test_config_lookups_of_the_benchmark_overrides():
+    from overrides import gqa_config_key, shipped_tiles
 
     assert gqa_config_key(torch.float16, 64, None) == "dtype=float16,dim=64,window=none"
     assert gqa_config_key(torch.bfloat16, 128, (-1, 0)) == "dtype=bfloat16,dim=128,window=causal"

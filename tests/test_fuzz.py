@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import inputs
 import mate
-from mate import testing
 import test_gqa
 import test_mqa
 import test_nsa
@@ -214,10 +214,10 @@ def qsa_attention(d: Draw):
     q_form = d.pick(["padded", "cu_seqlens", "token_to_req"], "query layout")
     kv_forms = ["padded", "paged"] if d.native else ["padded", "paged", "varlen"]
     kv_form = "paged" if d.native and q_form != "padded" else d.pick(kv_forms, "kv layout")
-    reqs = testing.qsa_requests(d.gen, n_req=d.int(1, 3, "requests"), hq=hq, hkv=hkv, d=256 if d.native else 8,
+    reqs = inputs.qsa_requests(d.gen, n_req=d.int(1, 3, "requests"), hq=hq, hkv=hkv, d=256 if d.native else 8,
                                   width=d.int(1, 19, "width"), dtype=torch.float32)
-    qt, qkw, _ = testing.qsa_query_layout(reqs, q_form, d.gen)
-    key, value, kvkw = testing.qsa_kv_layout(reqs, kv_form, d.gen, page_size=d.pick([1, 4, 16], "page_size"))
+    qt, qkw, _ = inputs.qsa_query_layout(reqs, q_form, d.gen)
+    key, value, kvkw = inputs.qsa_kv_layout(reqs, kv_form, d.gen, page_size=d.pick([1, 4, 16], "page_size"))
     kw = dict(token_indices=qt["token_indices"], **qkw, **kvkw)
     if q_form == "padded" or d.flag("seq_lens_q"):
         kw["seq_lens_q"] = torch.tensor([r["rows"] for r in reqs], dtype=I32)

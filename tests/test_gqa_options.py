@@ -326,7 +326,7 @@ def test_key_splits_fill_the_resident_slots(monkeypatch, dim, batch, window, wan
 def test_gqa_decode_splits_forces_records_and_restores_the_choice(monkeypatch):
     from mate import _dispatch
     from mate.swa import attention as A
-    from mate.testing import gqa_decode_splits
+    from overrides import gqa_decode_splits
 
     monkeypatch.setattr(A, "_sm_count", lambda device: 132)
     choose = A._num_splits

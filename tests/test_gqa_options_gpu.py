@@ -10,7 +10,8 @@ import torch
 
 import garbage as G
 import mate
-from mate.testing import capture_graph, gqa_decode_splits
+from mate.tuning.measure import capture_graph
+from overrides import gqa_decode_splits
 from test_gqa_gpu import assert_attention_matches, run_both
 from mate.swa.kernels.gqa_card import WINDOWS as WINDOW_CLASSES
 

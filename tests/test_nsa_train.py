@@ -9,7 +9,7 @@ import torch
 
 import mate
 from mate.nsa import reference
-from mate.testing import nsa_indices
+from inputs import nsa_indices
 
 I32 = torch.int32
 

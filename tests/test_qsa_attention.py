@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mate
-from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
+from inputs import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 # ---------------------------------------------------------------- naive oracle
 

@@ -13,7 +13,8 @@ import torch
 
 import mate
 from helpers import capture_graph, poison_allocator
-from mate.testing import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests, qsa_serving_problem
+from common import qsa_serving_problem
+from inputs import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mate import _dispatch
-from tuning.stages import TUNABLES
+from mate.tuning.stages import TUNABLES
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +48,7 @@ ONE_STAGE = {
 # command-line argument), between the `started NAME` and `finished NAME` lines that _finish reads.
 HAMMER = """
 import sys, torch
+sys.path.insert(0, "benchmarks")  # the children run from the repository's root; common.py's serving inputs
 launches = int(sys.argv[-1])
 def hammer(name, call):
     print("started", name, flush=True)
@@ -62,8 +63,8 @@ def hammer(name, call):
 CHILD = HAMMER + """
 import contextlib, json
 from mate import _dispatch
-from mate.testing import using_tiles
-from tuning.stages import TUNABLES
+from mate.tuning.measure import using_tiles
+from mate.tuning.stages import TUNABLES
 stage, cases = sys.argv[1], json.loads(sys.argv[2])
 tunable = TUNABLES[stage]
 for key, tiles in cases:
@@ -135,7 +136,7 @@ for dim, window in [(128, (-1, 0)), (64, (1024, 0))]:
 # then merge: 17 splits of 2 tiles); the result must not change over the launches.
 QSA_DECODE_CHILD = HAMMER + """
 import mate
-from mate.testing import qsa_serving_problem
+from common import qsa_serving_problem
 gen = torch.Generator().manual_seed(0)
 cases = [(f"rows {b}", qsa_serving_problem(gen, b, 1)[0], None) for b in (1, 8)]
 one = qsa_serving_problem(gen, 1, 1)[0]
@@ -161,7 +162,7 @@ def test_gqa_option_variants_finish_back_to_back_launches():
 BACKWARD_CHILD = HAMMER + """
 import contextlib, json, mate
 from mate import _dispatch
-from mate.testing import using_tiles
+from mate.tuning.measure import using_tiles
 from test_nsa_gpu import draw_indices
 for key, stage, tiles in json.loads(sys.argv[1]):
     spec = _dispatch.parse_key(key)
@@ -233,7 +234,7 @@ def test_gqa_split_kv_finishes_back_to_back_launches():
 
 
 # The split-KV kernel's ring depths at D 128 (its copies and the ids a tile ahead are hand-synchronized):
-# the tiles benchmarks/gqa_ab.py --decode timed (64 x 2 ships), on the card's quick workload (dense causal).
+# the tiles benchmarks/experiments/gqa_ab.py --decode timed (64 x 2 ships), on the card's quick workload (dense causal).
 DECODE_RINGS = [(128, 3), (64, 2), (32, 3), (32, 4)]
 
 
@@ -293,7 +294,7 @@ def variant_kernels() -> list:
 
 
 if __name__ == "__main__":
-    from mate.testing import compile_kernels
+    from overrides import compile_kernels
 
     jobs = [(stage, key, tiles, True) for stage, key, tiles in variant_kernels()]
     failed = [job for job, (_, error) in compile_kernels(jobs, int(sys.argv[1]) if len(sys.argv) > 1 else 16) if error]

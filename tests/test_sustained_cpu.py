@@ -1,10 +1,10 @@
-"""benchmarks/sustained.py on the CPU: its nvidia-smi log parsing and which implementation runs which window.
+"""benchmarks/experiments/sustained.py on the CPU: its nvidia-smi log parsing and which implementation runs which window.
 The timing itself needs a GPU (see the script)."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "experiments"))
 
 import sustained  # noqa: E402
 

@@ -15,7 +15,8 @@ import mate
 from cases import CASES, bitwise_equal, native
 from mate import _ops
 from mate.nsa import selection
-from mate.qsa import attention, indexer, merge
+from mate import merge
+from mate.qsa import attention, indexer
 from mate.swa import attention as swa
 
 OPS = {

@@ -12,22 +12,22 @@ import pytest
 import yaml
 
 from mate import _dispatch
-from tuning import cli, configfile
-from tuning.stages import TUNABLES, Tunable, candidates, rel_error
+from mate.tuning import cli, configfile
+from mate.tuning.stages import TUNABLES, Tunable, candidates, rel_error
 
 CONFIG = _dispatch.config_dir() / "sm90.yaml"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_native_stage_is_tunable_from_its_card():
-    """Each card names a workload of mate.testing, its presets and a tolerance; the tuner takes them from there."""
-    from mate import testing
+    """Each card names a workload of mate.tuning.workloads, its presets and a tolerance; the tuner takes them from there."""
+    from mate.tuning import workloads
 
     assert list(TUNABLES) == list(_dispatch.STAGES)
     for name, card in _dispatch.STAGES.items():
         t = TUNABLES[name]
         assert (t.space, t.limits, t.shapes, t.tol) == (card.space, card.limits, card.shapes, card.tol), name
-        assert t.workload is getattr(testing, card.workload), name
+        assert t.workload is getattr(workloads, card.workload), name
         assert {"quick", "full"} <= set(t.shapes) and all(t.shapes.values()), name
         assert 0 < t.tol < 0.1, name
 
@@ -222,7 +222,7 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
     block_keys=256 is the fastest but wrong; 128 beats the current 64."""
     import torch
 
-    from mate import testing
+    from mate.tuning import measure
 
     key = "dtype=bfloat16,page_size=16"
     in_effect = lambda: _dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90")["block_keys"]  # noqa: E731
@@ -235,9 +235,9 @@ def test_tuning_loop_checks_times_chooses_writes_and_resumes(tmp_path, monkeypat
                                                         t.shapes, workload, t.tol))
     monkeypatch.setattr(cli, "compile_all", lambda *a, **k: None)
     monkeypatch.setattr(cli, "require_gpu", lambda target: None)
-    monkeypatch.setattr(testing, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
+    monkeypatch.setattr(measure, "environment", lambda: dict(gpu="Fake GPU", commit="abc"))
     timed = []
-    monkeypatch.setattr(testing, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
+    monkeypatch.setattr(measure, "graph_ms", lambda fn: timed.append(in_effect()) or {64: 3.0, 128: 2.0, 256: 1.0}[in_effect()])
 
     # The scenario starts from block_keys 64 / threads 128, whatever the shipped config holds.
     text = configfile.merge(TEXT, "mqa_decode", {key: {"block_keys": 64, "threads": 128}})
@@ -266,9 +266,9 @@ def test_a_workload_pick_checks_only_the_slice_the_reference_computes(monkeypatc
     wrong value inside it still disqualifies the candidate."""
     import torch
 
-    from mate import testing
+    from mate.tuning import measure
 
-    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.002)
+    monkeypatch.setattr(measure, "graph_ms", lambda fn: 0.002)
     t = TUNABLES["mqa_decode"]
     key = "dtype=bfloat16,page_size=16"
     tiles = {"block_keys": 128, "threads": 256}
@@ -293,9 +293,9 @@ def test_a_candidate_that_leaves_reused_memory_unwritten_is_caught(monkeypatch):
     element passes while the buffer holds the reference's values, unless the tuner poisons before it checks."""
     import torch
 
-    from mate import testing
+    from mate.tuning import measure
 
-    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.002)
+    monkeypatch.setattr(measure, "graph_ms", lambda fn: 0.002)
     t = TUNABLES["mqa_decode"]
     key = "dtype=bfloat16,page_size=16"
     ref = torch.tensor([1.0, 2.0, 3.0])
@@ -323,25 +323,25 @@ def test_nsa_backward_workloads_check_their_step_against_the_reference_gradients
     unwritten (poisoned NaN before each launch) or one key block's dk and dv (zeroed before each launch)."""
     import torch
 
-    from mate import testing
+    from mate.tuning import measure, workloads
 
-    monkeypatch.setattr(testing, "graph_ms", lambda fn: 0.001)
+    monkeypatch.setattr(measure, "graph_ms", lambda fn: 0.001)
     key, shape = "dtype=bfloat16,dim=64,block_size=32", dict(seq=256, heads=16, kv_heads=1, selected=4)
     spec = _dispatch.parse_key(key)
     skip = [None]  # what the stand-in step leaves unwritten: a dq row or a key block
 
     def parts(q, k, v, idx, do, *, block_size):
         assert block_size == spec["block_size"] and q.shape == (1, 256, 16, 64) and k.shape == v.shape == (1, 256, 1, 64)
-        want = testing.nsa_reference_grads(q, k, v, idx, do, block_size=block_size)
+        want = workloads.nsa_reference_grads(q, k, v, idx, do, block_size=block_size)
         grads = tuple(torch.zeros_like(g) for g in want)
 
         def write(i, rows):
             grads[i][:, rows].copy_(want[i][:, rows])
 
-        return testing.NsaBackwardParts(grads, lambda: None, lambda: write(0, slice(0, skip[0])),
+        return workloads.NsaBackwardParts(grads, lambda: None, lambda: write(0, slice(0, skip[0])),
                                         lambda: [write(i, slice(skip[0], None)) for i in (1, 2)])
 
-    monkeypatch.setattr(testing, "nsa_backward_parts", parts)
+    monkeypatch.setattr(workloads, "nsa_backward_parts", parts)
     t = TUNABLES[stage]
     t = Tunable(t.stage, t.space, t.limits, t.shapes, lambda spec, shape: TUNABLES[stage].workload(spec, shape, device="cpu"), t.tol)
     loads = cli.workloads(t, spec, [shape])
@@ -356,7 +356,7 @@ def test_nsa_backward_workloads_check_their_step_against_the_reference_gradients
 def test_watchdog_records_a_hung_candidate_and_ends_the_process(tmp_path):
     # A hung kernel is a host thread blocked in CUDA; a sleep stands in for it.
     mark = tmp_path / "mark"
-    code = ("import time\nfrom tuning.cli import watchdog\n"
+    code = ("import time\nfrom mate.tuning.cli import watchdog\n"
             f"with watchdog(60, lambda: None):\n    pass\n"  # a block that ends in time leaves no trace
             f"with watchdog(0.5, lambda: open({str(mark)!r}, 'w').write('hung')):\n    time.sleep(60)\n"
             "print('not reached')\n")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mate import _dispatch
-from tuning import cli
-from tuning.stages import TUNABLES, rel_error
+from mate.tuning import cli
+from mate.tuning.stages import TUNABLES, rel_error
 
 pytestmark = pytest.mark.gpu
 

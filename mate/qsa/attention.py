@@ -38,8 +38,8 @@ from typing import NamedTuple
 import torch
 
 from mate import _checks as C
-from mate import _debug, _dispatch, _hopper
-from mate.qsa import merge, reference
+from mate import _debug, _dispatch, _hopper, _reference, merge
+from mate.qsa import reference
 from mate.qsa.kernels import sparse_card
 from mate.qsa.kernels.sparse_card import CANONICAL_GEOMETRY, MAX_GROUP
 kernels = _dispatch.lazy_module("mate.qsa.kernels.sparse")  # imported, with TileLang, at the first native call
@@ -454,7 +454,7 @@ def reference_run(p: Problem):
         seq_lens_q=p.seq_lens_q, seq_lens_k=p.seq_lens_k, query_positions=p.query_positions,
         block_table=p.block_table, scale=p.scale,
     )
-    res = reference.apply_gate(res, p.gate)
+    res = _reference.apply_gate(res, p.gate)
     out = res.to(p.query.dtype) if p.out is None else p.out.copy_(res)
     res_lse = res_lse if p.lse is None else p.lse.copy_(res_lse)
     return (out, res_lse) if p.return_lse else out

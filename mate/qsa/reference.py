@@ -82,14 +82,6 @@ def mqa_decode(q, k_cache, page_table, context_lens, max_model_len, scale):
 _GATHER_BUDGET = 1 << 25
 
 
-def apply_gate(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """out * sigmoid(gate) in FP32; gate is per head (out.shape[:-1]) or per element (out.shape)."""
-    if gate is None:
-        return out
-    g = torch.sigmoid(gate.float())
-    return out * (g.unsqueeze(-1) if g.dim() == out.dim() - 1 else g)
-
-
 def gather_attention(q, k_sel, v_sel, visible, scale):
     """Softmax attention of each row over its own gathered keys.
 
@@ -258,27 +250,3 @@ def sparse_attention(
         k_sel, v_sel = gather(rows, ok)
         out[rows], lse[rows] = gather_attention(q[rows], k_sel, v_sel, ok, scale)
     return out.reshape(query.shape), lse.reshape(query.shape[:-1])
-
-
-# ---------------------------------------------------------------- SplitKV merge
-
-
-def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor):
-    """Combine split partials [S, ..., D] with their lse [S, ...] into FP32 (out [..., D], lse [...]).
-
-    A split with lse -inf contributes nothing (its partial output is never read into the
-    sum, so it may hold anything); a row whose splits are all -inf gives 0 and -inf.
-    """
-    lse = partial_lse.float()
-    if lse.shape[0] == 0:
-        return (partial_out.new_zeros(partial_out.shape[1:], dtype=torch.float32),
-                lse.new_full(lse.shape[1:], NEG_INF))
-    m = lse.amax(dim=0)
-    live = lse > NEG_INF
-    w = torch.where(live, torch.exp(lse - torch.where(m > NEG_INF, m, 0.0)), 0.0)
-    total = w.sum(dim=0)
-    acc = torch.where(live.unsqueeze(-1), w.unsqueeze(-1) * partial_out.float(), 0.0).sum(dim=0)
-    some = total > 0
-    out = torch.where(some.unsqueeze(-1), acc / torch.where(some, total, 1.0).unsqueeze(-1), 0.0)
-    merged = torch.where(some, m + torch.log(torch.where(some, total, 1.0)), NEG_INF)
-    return out, merged

@@ -24,7 +24,7 @@ Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per seque
 (decode; k then counts as one page per sequence), run the split-KV kernel
 (mate/swa/kernels/gqa_decode.py: the query heads of a KV group packed into the tile's
 rows, each sequence's keys split across CTAs where the grid is small; one split writes the
-output itself, several go through the merge stage of mate.qsa.merge), with sinks and softcap
+output itself, several go through the merge stage of mate.merge), with sinks and softcap
 as runtime arguments: any page size natively, -1 and out-of-range page ids masked and never read.
 """
 
@@ -38,7 +38,7 @@ import torch
 
 from mate import _checks as C
 from mate import _debug, _dispatch
-from mate.qsa.merge import merge_attention_states
+from mate.merge import merge_attention_states
 from mate.swa import reference
 from mate.swa.kernels.gqa_card import NATIVE_DIMS
 from mate.swa.kernels.gqa_decode_card import resident_ctas

@@ -48,7 +48,7 @@ the same 32 KB tiles from an L2-resident pool, with no attention math, takes
 CTA, 3 CTAs (6 tiles of 32 KB) fit in an SM, and one more KB (MAX_SLOTS =
 256) dropped it to 2 CTAs and cost 18%. Against the automatic producer this
 program replaced, at the same tiles: 0.84 to 1.00 of its time
-(benchmarks/nsa_ab.py). Since the V zeroing (2026-12-01, NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md):
+(benchmarks/experiments/nsa_ab.py). Since the V zeroing (2026-12-01, NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md):
 30.1 ms at 3 CTAs per SM (without the zeroing 28.7), 28.7 ms at 4; evict_last on the K/V loads
 changed nothing. Fewer gathers are the only way under ~26 ms; on the benchmark's random indices
 deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them (same file).

@@ -51,7 +51,7 @@ request metadata 1.4, token ids 1.9, pages 2.6, the three tiles' cp.async issued
 thread), each tile's math 0.85, the partial stores issued by 15.6, the merge 16.5 to 18.9. So the
 split kernel's consumer loads its Q elements into registers at the CTA's start (_load_q), stages its partial
 output through shared memory (_store_partial), and eight producer warps issue the gather where a CTA has an
-SM to itself (wide=0): benchmarks/gather_probe.py times the gather alone, and a CTA's cp.async go out faster
+SM to itself (wide=0): benchmarks/experiments/gather_probe.py times the gather alone, and a CTA's cp.async go out faster
 from eight warps than from four (H200, 22 CTAs of 3 tiles: 11.6 against 12.6 us; 132 CTAs of 33 tiles,
 3 stages: 84.8 against 100.0 us). With two CTAs an SM (wide=1, a one-stage ring each) four warps a CTA
 issue as fast as eight (264 CTAs of 33 tiles: 143.2 against 141.3 us), and a third warpgroup's registers

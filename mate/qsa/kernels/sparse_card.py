@@ -38,7 +38,7 @@ def _attention_limits(spec, t):
 ATTENTION = Stage(
     "qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention",
     # producers: threads that gather (one or two warpgroups before the consumer's): the H200 issues a
-    # CTA's cp.async faster from eight warps than from four (benchmarks/gather_probe.py)
+    # CTA's cp.async faster from eight warps than from four (benchmarks/experiments/gather_probe.py)
     space=dict(head_tile=(MAX_GROUP,), num_stages=(1, 2, 3), producers=(128, 256)),
     # wide: the grid has at least two CTAs per SM (a shallow ring lets two share one)
     keys=("dtype", "split", "wide"),

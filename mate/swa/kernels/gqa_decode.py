@@ -14,7 +14,7 @@ class (none / causal / local) is compile-time, the sides are runtime.
 Split-KV: the CTAs of one (row tile, KV head, sequence) share its band (the keys [lo, hi) some
 row of the tile sees) in `num_splits` runs of whole key tiles; each writes its rows' partial
 output (normalized, FP32) and natural-log LSE to slot `split` of the partials, which
-mate.qsa.merge.merge_attention_states combines (a split with no visible key writes LSE -inf
+mate.merge.merge_attention_states combines (a split with no visible key writes LSE -inf
 and output 0). With sinks, split 0 also writes slot `num_splits`: output 0 and LSE the sink's
 logit, so the merge adds the sink to the normaliser. With one split (`direct`) the CTA writes the
 output in q's dtype and the LSE itself, the sink folded in, and there is no merge: at B 64 x 8192

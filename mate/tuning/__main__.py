@@ -1,0 +1,5 @@
+import sys
+
+from mate.tuning.cli import main
+
+sys.exit(main())

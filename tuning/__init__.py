@@ -1,1 +1,0 @@
-"""Autotuning of mate's tile configs (`mate-tune`, `python -m tuning`); see tuning/cli.py."""

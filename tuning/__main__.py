@@ -1,5 +1,0 @@
-import sys
-
-from tuning.cli import main
-
-sys.exit(main())
