@@ -36,10 +36,9 @@ import os
 
 import torch
 from common import RESULTS, SERVING_D, SERVING_HKV, cold_graph_us, environment, qsa_serving_problem, write_json
-from overrides import program_variants
+from overrides import program_variants, qsa_family, stage_card
 
 import mate
-from mate.qsa import attention
 from mate.tuning.measure import using_tiles
 
 REPORT = dict(stage="qsa_attention", quick=["--cases", "decode1", "decode64", "--no-hbm-pools"], full=[])
@@ -51,20 +50,6 @@ CASES = {  # name -> (rows, rows a request, pool pages or None: own pages)
     "decode256": (256, 1, 65000),
     "prefill": (4096, 4096, None),
 }
-
-
-@contextlib.contextmanager
-def forced_family(name):
-    """mate's dispatch with every call on one kernel family (None: the shipped choice)."""
-    if name is None:
-        yield
-        return
-    real = attention.family
-    attention.family = lambda *a: name
-    try:
-        yield
-    finally:
-        attention.family = real
 
 
 def rel_err(out, ref) -> float:
@@ -102,7 +87,7 @@ def time_case(label, p, hint, args, upstream):
 
     run("mate", lambda: mate.qsa_sparse_attention(**p))
     for fam in args.families:
-        with forced_family(fam):
+        with qsa_family(fam):
             run(f"mate-{fam}", lambda: mate.qsa_sparse_attention(**p))
     if hint is not None and args.extra:
         run("mate hint", lambda: mate.qsa_sparse_attention(**p, block_indices=hint))
@@ -127,7 +112,7 @@ def time_case(label, p, hint, args, upstream):
 
 def sweep(p, ref, pairs) -> dict:
     """The small-CTA family at each (block_n, num_stages) of `pairs` (both split keys) and split counts: cold us."""
-    card = mate._dispatch.STAGES["qsa_attention_warp"]
+    card = stage_card("qsa_attention_warp")
     out = {}
     for bn, ns in pairs:
         tiles = dict(block_n=bn, num_stages=ns)
@@ -165,7 +150,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
     args = ap.parse_args(argv)
     if args.sweep == []:
-        card = mate._dispatch.STAGES["qsa_attention_warp"]
+        card = stage_card("qsa_attention_warp")
         args.sweep = [f"{b}/{n}" for b, n in itertools.product(card.space["block_n"], card.space["num_stages"])]
     upstream = None
     if args.upstream:

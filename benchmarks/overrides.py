@@ -42,6 +42,28 @@ def without_cluster_launches():
 
 
 @contextlib.contextmanager
+def qsa_family(name: str | None):
+    """qsa_sparse_attention with every native call on one kernel family ('wgmma' or 'warp',
+    mate.qsa.attention.family); None: the shipped choice."""
+    from mate.qsa import attention
+
+    if name is None:
+        yield
+        return
+    real = attention.family
+    attention.family = lambda *a: name
+    try:
+        yield
+    finally:
+        attention.family = real
+
+
+def stage_card(stage: str):
+    """The dispatcher's card of `stage` (its search space and limits)."""
+    return _dispatch.STAGES[stage]
+
+
+@contextlib.contextmanager
 def gqa_decode_splits(splits: int | None, seen: list | None = None):
     """gqa_attention's split-KV kernel with `splits` key splits (1: one split, which writes the output itself),
     or None: the shipped choice (mate.swa.attention._num_splits); `seen` (a list) collects each call's count.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mate
+from mate.qsa import attention
 from helpers import capture_graph, poison_allocator
 from common import qsa_serving_problem
 from inputs import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
@@ -21,6 +22,14 @@ pytestmark = pytest.mark.gpu
 D = 256
 GEOMETRIES = [(2, 2), (4, 2), (24, 2), (16, 1)]  # GQA groups 1, 2, 12, 16
 LAYOUTS = [("padded", "padded"), ("padded", "paged"), ("cu_seqlens", "paged"), ("token_to_req", "paged")]
+
+
+@pytest.fixture(params=["wgmma", "warp"])
+def family(request, monkeypatch):
+    """The attention tests under each kernel family: the dispatcher picks one by the grid's size
+    (mate.qsa.attention.family), and most problems here are small."""
+    monkeypatch.setattr(attention, "family", lambda *a: request.param)
+    return request.param
 
 
 def cuda(kw):
@@ -76,7 +85,7 @@ def option_problem(seed, hq, hkv, width, q_form, kv_form, dtype, options):
 @pytest.mark.parametrize("q_form, kv_form", LAYOUTS, ids=[f"{a}-{b}" for a, b in LAYOUTS])
 @pytest.mark.parametrize("options", ["plain", "lens+gate", "positions+gate_head"])
 @pytest.mark.parametrize("width", [1, 7, 130])
-def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, width):
+def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, width, family):
     seed = zlib.crc32(f"{dtype},{hq},{hkv},{q_form},{kv_form},{options},{width}".encode()) % 10_000
     tq, k, v, kw = option_problem(seed, hq, hkv, width, q_form, kv_form, dtype, options)
     q, k, v, kw = tq["query"].cuda(), k.cuda(), v.cuda(), cuda(kw)
@@ -86,7 +95,7 @@ def test_native_matches_reference(dtype, hq, hkv, q_form, kv_form, options, widt
 
 @pytest.mark.parametrize("width", [1, 7, 2051, 4100])
 @pytest.mark.parametrize("splits", [None, 1, 2, 9, 33])  # 9, 33: under and over the merge's 16 splits a step
-def test_physical(width, splits):
+def test_physical(width, splits, family):
     gen = torch.Generator().manual_seed(width)
     reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=width, dtype=torch.bfloat16)
     q, k, v, ids = (x.cuda() for x in qsa_physical_layout(reqs, {}))
@@ -100,7 +109,7 @@ def test_physical(width, splits):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 256])
-def test_split_decode_at_serving_shape(batch):
+def test_split_decode_at_serving_shape(batch, family):
     """Issue #16's decode inputs (2051-token selections, 24 / 2 heads, BF16 gate): every split count merges to
     the reference, and the same every call. Batch 256 (its requests share a 512-page pool) is a grid past one
     wave: num_splits=None takes 2 splits there, the split kernel's wide entry (two CTAs an SM)."""
@@ -129,7 +138,7 @@ def block_problem(gen, rows, nb, cap_blocks, compact):
 
 @pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("nb", [1, 17, 512])
-def test_block_hint_matches_token_path(compact, nb):
+def test_block_hint_matches_token_path(compact, nb, family):
     gen = torch.Generator().manual_seed(nb + compact)
     page_size, rows, cap_blocks = 64, 5, 600
     pool = cap_blocks * 4 // page_size + 2
@@ -152,7 +161,7 @@ def test_block_hint_matches_token_path(compact, nb):
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-def test_sliced_views_and_out_surroundings():
+def test_sliced_views_and_out_surroundings(family):
     """Views with storage offsets everywhere; out is a slice whose poisoned surroundings must stay untouched."""
     gen = torch.Generator().manual_seed(7)
     reqs, tq, extra_q, k, v, extra_kv = logical_problem(7, 24, 2, 9, "cu_seqlens", "paged", torch.bfloat16, page_size=16)
@@ -181,7 +190,7 @@ def test_sliced_views_and_out_surroundings():
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_graph_replay_with_new_metadata(splits):
+def test_graph_replay_with_new_metadata(splits, family):
     """Capture a paged decode call after warm-up, write new indices, lengths and page table into the same
     buffers, replay: the result equals an eager call on the new values."""
     gen = torch.Generator().manual_seed(splits or 0)
