@@ -216,3 +216,10 @@ def program_variants(stage: str, sources: dict):
         take()
         _dispatch.STAGES[stage] = shipped
         _dispatch._kernels.update(before)
+
+
+def qsa_topk_key(rows: int, keys: int, device="cuda") -> str:
+    """The qsa_topk config key a call on [rows, keys] scores takes (for tile overrides)."""
+    from mate.qsa import selection
+
+    return _dispatch.spec_key(selection.topk_spec(rows, keys, torch.device(device)))

@@ -6,10 +6,11 @@ compressed keys (one per 4-token block, 4 heads of D 128) share one page
 table: a page holds 64 tokens, i.e. 16 compressed keys.
 
 1. qsa_mqa_decode scores every complete 4-token block of each request;
-2. top-k keeps the 64 best blocks (-1 where fewer are visible);
-3. each block j expands to tokens 4j..4j+3, plus the (up to 3) tokens of the
-   newest, incomplete block;
-4. qsa_sparse_attention attends over those tokens, gated per head (sigmoid).
+2. qsa_topk_tokens keeps the 64 best blocks (-1 where fewer are visible) and
+   expands each block j to tokens 4j..4j+3, plus the (up to 3) tokens of the
+   newest, incomplete block, in one kernel;
+3. qsa_sparse_attention attends over those tokens, gated per head (sigmoid),
+   with the blocks as its hint.
 
 On a Hopper GPU the whole step is captured once in a CUDA graph and replayed
 after the next token arrives (new inputs and lengths in the same buffers);
@@ -37,25 +38,26 @@ PAGE = 64  # tokens per page; 16 compressed keys per page of the index cache
 TOPK = 64
 
 
-def expand(blocks: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Token ids [B, 4*TOPK + 3]: each selected block's 4 tokens, then the newest incomplete block's tokens (-1 pads)."""
-    offs = torch.arange(4, device=blocks.device, dtype=torch.int32)
-    selected = torch.where(blocks[..., None] >= 0, blocks[..., None] * 4 + offs, -1).flatten(-2)
-    tail = (seq_lens // 4 * 4)[:, None] + offs[:3]
-    tail = torch.where(tail < seq_lens[:, None], tail, -1)
-    return torch.cat([selected, tail], -1)
-
-
 def step(backend, q_idx, index_cache, q, key, value, gate, table, seq_lens):
     """(indexer logits [B, keys], token ids [B, W], attention output [B, 1, HQ, DIM]) of one decode step."""
     context = seq_lens // 4  # complete blocks: the indexer's visible compressed keys
     logits = mate.qsa_mqa_decode(q_idx, index_cache, table, context, table.shape[1] * (PAGE // 4), backend=backend)
-    top = logits.topk(TOPK, dim=-1)
-    blocks = torch.where(torch.isinf(top.values), -1, top.indices).to(torch.int32)
-    tokens = expand(blocks, seq_lens)
-    out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_table=table, seq_lens_k=seq_lens, gate=gate,
-                                    backend=backend)
+    blocks, tokens = mate.qsa_topk_tokens(logits, TOPK, seq_lens - 1, backend=backend)  # the query row sits at seq_len - 1
+    out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_indices=blocks[:, None], block_table=table,
+                                    seq_lens_k=seq_lens, gate=gate, backend=backend)
     return logits, tokens, out
+
+
+def naive_tokens(logits, seq_lens):
+    """Each request's TOPK best complete blocks (score descending, lower id first), 4 tokens each, then its newest
+    block's tokens; -1 pads."""
+    rows = []
+    for b, n in enumerate(seq_lens.tolist()):
+        row = logits[b].tolist()
+        best = sorted((j for j in range(n // 4)), key=lambda j: (-row[j], j))[:TOPK]
+        ids = [4 * j + t for j in best for t in range(4)] + [-1] * (4 * (TOPK - len(best)))
+        rows.append(ids + [t if t < n else -1 for t in range(n // 4 * 4, n // 4 * 4 + 3)])
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 def naive_logits(q_idx, index_cache, table, seq_lens):
@@ -107,6 +109,7 @@ def main(argv=None):
         logits, tokens, out = step(backend, *args)
         print("  ran the step with backend='reference'; checked against a naive computation:")
         report("indexer logits", logits, naive_logits(q_idx, index_cache, table, seq_lens), "naive relu scores", 1e-5)
+        report("selected token ids", tokens, naive_tokens(logits, seq_lens), "a naive sort", 0.0)
         report("attention output", out, naive_attention(q, key, value, gate, table, seq_lens, tokens), "naive softmax", 1e-2)
         return
 
@@ -145,6 +148,8 @@ def main(argv=None):
     print(f"  captured the step {how} and replayed it for the next token ({[n + 1 for n in lens]} tokens)")
     ref_logits = mate.qsa_mqa_decode(q_idx, index_cache, table, seq_lens // 4, logits.shape[1], backend="reference")
     report("indexer logits", logits, ref_logits, "backend='reference'", 1e-4)
+    ref_tokens = mate.qsa_topk_tokens(logits, TOPK, seq_lens - 1, backend="reference")[1]
+    report("selected token ids (on the replay's logits)", tokens, ref_tokens, "backend='reference'", 0.0)
     ref_out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_table=table, seq_lens_k=seq_lens, gate=gate,
                                         backend="reference")
     report("attention output (on the replay's token ids)", out, ref_out, "backend='reference'", 1e-2)

@@ -24,7 +24,7 @@ import yaml
 
 from mate._stage import Stage, import_native
 from mate.nsa.kernels import selection_bwd_card, selection_card
-from mate.qsa.kernels import mqa_card, sparse_card
+from mate.qsa.kernels import mqa_card, sparse_card, topk_card
 from mate.swa.kernels import gqa_card, gqa_decode_card
 
 BACKENDS = ("tilelang", "reference")
@@ -53,6 +53,7 @@ def backend(value) -> str:
 # and names it by module path, so this list loads no TileLang. The API modules look theirs up here.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     mqa_card.LOGITS, mqa_card.DECODE, selection_card.STAGE, selection_bwd_card.DQ, selection_bwd_card.DKV, gqa_card.STAGE, gqa_decode_card.STAGE, sparse_card.ATTENTION, sparse_card.WARP_ATTENTION, sparse_card.MERGE,
+    topk_card.TOPK, topk_card.EXPAND,
 )}
 
 
@@ -179,6 +180,19 @@ def _tiles(stage: str, spec_items: tuple, target: str) -> tuple:
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of the GPU holding tensors on `device` (the current one for a bare "cuda")."""
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _listed() -> str:

@@ -37,6 +37,7 @@ from torch import Tensor
 from mate.nsa import selection
 from mate import merge
 from mate.qsa import attention, indexer
+from mate.qsa import selection as qsa_selection
 from mate.swa import attention as swa
 
 
@@ -282,6 +283,30 @@ qsa_sparse_attention = register(
     extra={"caller_lse": (bool, lambda a: a["lse"] is not None)},
     passes={"lse": lambda a: a["selected_kv_indices"] is not None or a["caller_lse"]},
     returns=_out_or_both,
+)
+
+
+
+
+# ---------------------------------------------------------------- QSA selection
+
+
+def _ids(rows, width):
+    return lambda a: a[rows].new_empty((a[rows].shape[0], width(a)), dtype=torch.int32)
+
+
+def _token_width(a):
+    k = a["block_indices"].shape[1] if "block_indices" in a else a["k"]
+    return a["block_size"] * k + a["block_size"] - 1
+
+
+qsa_topk_blocks = register("qsa_topk_blocks", qsa_selection.qsa_topk_blocks, buffers={"out": _ids("scores", lambda a: a["k"])},
+                           returns=lambda a, out: out)
+qsa_expand_blocks = register("qsa_expand_blocks", qsa_selection.qsa_expand_blocks, buffers={"out": _ids("block_indices", _token_width)},
+                             returns=lambda a, out: out)
+qsa_topk_tokens = register(
+    "qsa_topk_tokens", qsa_selection.qsa_topk_tokens,
+    fake=lambda a: (_ids("scores", lambda a: a["k"])(a), _ids("scores", _token_width)(a)),
 )
 
 

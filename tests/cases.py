@@ -29,6 +29,7 @@ import torch
 
 import mate
 from inputs import nsa_indices, qsa_token_rows, randint, randn, tail_view
+from mate.tuning.workloads import indexer_like_scores
 
 I32 = torch.int32
 BF16 = torch.bfloat16
@@ -397,6 +398,76 @@ def qsa_physical(device, gen):
     return Problem(call, refresh)
 
 
+# ---------------------------------------------------------------- QSA selection
+
+
+def _select_scores(gen, rows, keys, device):
+    """Indexer-like scores as a strided view at an offset (the row stride is not a multiple of 4), some rows
+    with ties on a few values, one with fewer selectable scores than any k here, one all NaN."""
+    s = indexer_like_scores(gen, rows, keys, device="cpu")
+    s[1::3] = (s[1::3] * 2).round() / 2
+    s[2, 5:] = float("-inf")
+    s[3] = float("nan")
+    base = torch.full((rows, keys + 3), float("nan"))
+    base[:, 3:] = s
+    return base.to(device)[:, 3:]
+
+
+def qsa_topk(rows, keys, k):
+    """Top-k with the expansion fused (below one row per SM: one CTA an SM), positions past the keys and negative."""
+
+    def make(device, gen):
+        scores = _select_scores(gen, rows, keys, device)
+        pos = torch.zeros(rows, dtype=I32, device=device)
+
+        def refresh():
+            scores.copy_(_select_scores(gen, rows, keys, device))
+            pos.copy_(randint(gen, -5, 4 * keys + 9, (rows,), device))
+
+        def call(backend):
+            return mate.qsa_topk_tokens(scores, k, pos, backend=backend)
+
+        refresh()
+        return Problem(call, refresh, tol=0.0)
+
+    return make
+
+
+def qsa_topk_blocks_out(device, gen):
+    """Top-k alone into a strided out buffer, more rows than SMs (the wide tiles)."""
+    rows, keys, k = 300, 700, 64
+    scores = _select_scores(gen, rows, keys, device)
+    out = torch.full((rows, 2 * k), -7, dtype=I32, device=device)[:, ::2]
+
+    def refresh():
+        scores.copy_(_select_scores(gen, rows, keys, device))
+
+    def call(backend):
+        if backend == "reference":
+            return (mate.qsa_topk_blocks(scores, k, backend=backend),)
+        return (mate.qsa_topk_blocks(scores, k, out=out),)
+
+    refresh()
+    return Problem(call, refresh, tol=0.0)
+
+
+def qsa_expand(device, gen):
+    """The expansion of strided block ids (-1 and other negatives) at positions around the block edges."""
+    rows, k, bs = 41, 33, 4
+    blocks = torch.zeros(rows, k + 2, dtype=I32, device=device)[:, 1:-1]
+    pos = torch.zeros(rows, dtype=I32, device=device)
+
+    def refresh():
+        blocks.copy_(randint(gen, -3, 5000, (rows, k), device))
+        pos.copy_(randint(gen, -6, 4 * 5000, (rows,), device))
+
+    def call(backend):
+        return (mate.qsa_expand_blocks(blocks, pos, block_size=bs, backend=backend),)
+
+    refresh()
+    return Problem(call, refresh, tol=0.0)
+
+
 CASES = {
     "mqa_score": mqa_score,
     "mqa_prefill": mqa_prefill,
@@ -419,6 +490,10 @@ CASES = {
     "qsa_split": qsa_split,
     "qsa_padded": qsa_padded,
     "qsa_physical": qsa_physical,
+    "qsa_topk": qsa_topk(37, 3000, 100),
+    "qsa_topk_long": qsa_topk(5, 20000, 2048),  # the 32768-key bucket: keys in shared memory
+    "qsa_topk_blocks_out": qsa_topk_blocks_out,
+    "qsa_expand": qsa_expand,
 }
 
 # The message of a stage whose native path is not written yet (merge, QSA attention today).

@@ -13,6 +13,11 @@ def poison_allocator(device, nbytes=1 << 28):
     torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(float("nan"))
 
 
+def poison(x):
+    """Fill an output a kernel must rewrite: NaN, or -7 in an index tensor (no kernel writes a negative id but -1)."""
+    x.fill_(float("nan") if x.is_floating_point() else -7)
+
+
 def assert_scores_match(out, ref, rtol=1e-4):
     """Same -inf pattern exactly, no NaN, finite values within an FP32-accumulation tolerance (relative norm)."""
     assert out.shape == ref.shape, (out.shape, ref.shape)

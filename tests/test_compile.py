@@ -43,7 +43,7 @@ def built():
 def test_lowers_or_compiles_for_sm90a(built, stage, key):
     source, error = built[stage, key]
     assert error is None, f"{stage}[{key}]: {error}"
-    if stage == "qsa_merge":  # elementwise: no MMA
+    if stage in ("qsa_merge", "qsa_topk", "qsa_expand"):  # elementwise, selection: no MMA
         return
     # the small-CTA family is one warp: mma.sync by design (wgmma needs a warpgroup); the rest take wgmma
     mma = "tl::mma_sync" if stage == "qsa_attention_warp" else "wgmma"

@@ -317,7 +317,7 @@ def test_key_splits_fill_the_resident_slots(monkeypatch, dim, batch, window, wan
     from mate import _dispatch
     from mate.swa import attention as A
 
-    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_dispatch, "sm_count", lambda device: 132)
     p = _problem(torch.randn(batch, 1, 64, dim), torch.randn(batch, 8192, 8, dim), sliding_window=window)
     spec = A._spec(torch.bfloat16, dim, p.left, p.right)
     assert A._num_splits(p, 8, 8, 8192, spec, _dispatch.tiles("gqa_decode", spec, "sm90")) == want
@@ -328,7 +328,7 @@ def test_gqa_decode_splits_forces_records_and_restores_the_choice(monkeypatch):
     from mate.swa import attention as A
     from overrides import gqa_decode_splits
 
-    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_dispatch, "sm_count", lambda device: 132)
     choose = A._num_splits
     p = _problem(torch.randn(16, 1, 64, 128), torch.randn(16, 8192, 8, 128))
     spec = A._spec(torch.bfloat16, 128, p.left, p.right)

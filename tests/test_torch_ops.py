@@ -17,6 +17,7 @@ from mate import _ops
 from mate.nsa import selection
 from mate import merge
 from mate.qsa import attention, indexer
+from mate.qsa import selection as qsa_selection
 from mate.swa import attention as swa
 
 OPS = {
@@ -27,6 +28,9 @@ OPS = {
     "gqa_attention": swa.gqa_attention,
     "merge_attention_states": merge.merge_attention_states,
     "qsa_sparse_attention": attention.qsa_sparse_attention,
+    "qsa_topk_blocks": qsa_selection.qsa_topk_blocks,
+    "qsa_topk_tokens": qsa_selection.qsa_topk_tokens,
+    "qsa_expand_blocks": qsa_selection.qsa_expand_blocks,
 }
 
 
@@ -63,6 +67,9 @@ SCHEMAS = {
     "gqa_attention": "mate::gqa_attention(Tensor q, Tensor k, Tensor v, Tensor(a3!) out, Tensor(a4!) lse, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, Tensor? block_table, Tensor? seq_lens_k, SymInt[]? sliding_window, Tensor? sinks, float? softcap, float? scale, str backend) -> ()",
     "merge_attention_states": "mate::merge_attention_states(Tensor partial_out, Tensor partial_lse, Tensor(a2!) out, Tensor(a3!) lse, Tensor? gate, ScalarType? out_dtype, str backend) -> ()",
     "qsa_sparse_attention": "mate::qsa_sparse_attention(Tensor query, Tensor key, Tensor value, Tensor? token_indices, Tensor(a4!) out, Tensor(a5!) lse, Tensor? block_indices, Tensor? cu_seqlens_q, Tensor? token_to_req, SymInt? num_requests, Tensor? cu_seqlens_k, Tensor? seq_lens_q, Tensor? seq_lens_k, Tensor? query_positions, Tensor? block_table, SymInt? page_size, float? scale, Tensor? gate, SymInt? num_splits, str backend, bool warp_specialized, bool assume_compact_blocks, Tensor? selected_kv_indices, float? softmax_scale, float k_scale, float v_scale, ScalarType? compute_dtype, bool caller_lse) -> ()",
+    "qsa_topk_blocks": "mate::qsa_topk_blocks(Tensor scores, SymInt k, Tensor(a2!) out, str backend) -> ()",
+    "qsa_topk_tokens": "mate::qsa_topk_tokens(Tensor scores, SymInt k, Tensor query_positions, *, SymInt block_size=4, str backend=\"tilelang\") -> (Tensor, Tensor)",
+    "qsa_expand_blocks": "mate::qsa_expand_blocks(Tensor block_indices, Tensor query_positions, Tensor(a2!) out, SymInt block_size, str backend) -> ()",
     "gqa_launch": "mate::gqa_launch(Tensor Q, Tensor K, Tensor V, Tensor(a3!) O, SymInt[] geometry, SymInt[]? sliding_window, SymInt[] strides, SymInt seq_len_q, SymInt seq_len_kv) -> ()",
 }
 

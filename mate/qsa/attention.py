@@ -529,9 +529,6 @@ def cluster_splits(rows_x_heads: int, tiles: int, splits: int, chosen: bool, who
     return 0
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _native_rows(query, indices, block_indices, query_positions, gate, out, lse, return_lse) -> NativeRows:
@@ -602,7 +599,7 @@ def native(p: Problem):
         row_mode, rowmap = kernels.ROW_TOKEN_TO_REQ, p.token_to_req
     q_len = p.query.shape[1] if p.query.dim() == 4 else 1
     width = r.indices.shape[-1]
-    sms = _sm_count(dev.index)
+    sms = _dispatch.sm_count(dev)
     result = (r.out, r.lse) if p.return_lse else r.out
     if rows == 0:
         return result

@@ -15,7 +15,6 @@ row cannot see scores -inf. Three entrypoints:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -39,9 +38,6 @@ def _native_geometry(name: str, x: torch.Tensor) -> None:
         )
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _logits(q, k, lo, hi, scale, target):
@@ -57,7 +53,7 @@ def _logits(q, k, lo, hi, scale, target):
     # each; more splits, a second wave, measured slower at issue 16's prefill shape: each CTA loads its Q again).
     ctas = -(-R // tiles["block_rows"]) * B
     key_tiles = -(-N // tiles["block_keys"])
-    splits = max(1, min(key_tiles, tiles["min_blocks"] * _sm_count(q.device.index) // ctas))
+    splits = max(1, min(key_tiles, tiles["min_blocks"] * _dispatch.sm_count(q.device) // ctas))
     kern(C.canonical_unit_strides(q), C.canonical_unit_strides(k), lo, hi, out, scale, splits)
     return out
 

@@ -250,3 +250,24 @@ def sparse_attention(
         k_sel, v_sel = gather(rows, ok)
         out[rows], lse[rows] = gather_attention(q[rows], k_sel, v_sel, ok, scale)
     return out.reshape(query.shape), lse.reshape(query.shape[:-1])
+
+
+def topk_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [rows, k]: the ids of each row's k largest scores, by score descending then id ascending; NaN and
+    -inf are never selected (-1 fills the slots past a row's selectable scores); -0 ties with +0."""
+    selectable = ~torch.isnan(scores) & (scores != NEG_INF)
+    # A stable sort keeps equal scores in id order; the unselectable ones, as -inf, sort after every other.
+    order = torch.sort(torch.where(selectable, scores, NEG_INF), dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.where(selectable.gather(-1, order), order, -1).to(torch.int32)
+
+
+def expand_blocks(block_indices: torch.Tensor, query_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 [rows, block_size * k + block_size - 1]: block j's tokens block_size*j .. block_size*j + block_size - 1
+    (-1 for a negative id), then the tokens of the row's incomplete block up to its position (-1 where absent).
+    int32 arithmetic, as the kernels do it."""
+    t = torch.arange(block_size, dtype=torch.int32, device=block_indices.device)
+    b = block_indices.unsqueeze(-1)
+    blocks = torch.where(b >= 0, b * block_size + t, -1).flatten(-2)
+    pos = query_positions.unsqueeze(-1)
+    tail = (pos + 1).clamp_min(0) // block_size * block_size + t[: block_size - 1]
+    return torch.cat([blocks, torch.where(tail <= pos, tail, -1)], -1).to(torch.int32)

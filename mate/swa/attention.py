@@ -30,7 +30,6 @@ as runtime arguments: any page size natively, -1 and out-of-range page ids maske
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -169,9 +168,6 @@ def _padded_rows(device, batch: int, rows: int) -> tuple[torch.Tensor, torch.Ten
     return (ids if rows == 1 else ids * rows), ids
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: dict) -> int:
@@ -184,7 +180,7 @@ def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: 
     (benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md)."""
     keys = capacity if p.left < 0 else min(capacity, p.left + -(-rows_max // group) + max(p.right, 0))
     ctas = p.batch * p.k.shape[-2] * -(-rows_max // tiles["block_m"])
-    sms = _sm_count(p.q.device)
+    sms = _dispatch.sm_count(p.q.device)
     slots = resident_ctas(spec, tiles) * sms
     most = max(1, min(-(-keys // (tiles["block_n"] * MIN_SPLIT_TILES)), -(-CTAS_PER_SM * sms // max(ctas, 1))))
 

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import mate
-from mate.qsa.kernels import mqa_card, sparse_card
+from mate.qsa.kernels import mqa_card, sparse_card, topk_card
 
 
 def draw_block_indices(B, M, N, G, T, bs, hot=False, chunk=4096, device="cuda"):
@@ -243,3 +243,41 @@ def qsa_merge_workload(spec, shape):
     odt = getattr(torch, spec["odtype"])
     return (lambda: mate.merge_attention_states(po, pl, out_dtype=odt),
             lambda: mate.merge_attention_states(po, pl, out_dtype=odt, backend="reference"))
+
+
+def indexer_like_scores(gen, rows, keys, *, device, visible=None, nan=1e-3):
+    """FP32 [rows, keys] scores as the indexer gives them: sums of ReLUs (so exact zeros tie), -inf past each
+    row's `visible` keys (int [rows]; default: random lengths from 0 to keys), a fraction `nan` NaN (garbage)."""
+    s = (torch.randn(rows, keys, 4, generator=gen).clamp_min(0).sum(-1) * 0.3)
+    if visible is None:
+        visible = torch.randint(0, keys + 1, (rows,), generator=gen)
+    s = s.masked_fill(torch.arange(keys) >= visible.view(-1, 1), float("-inf"))
+    s[torch.rand(rows, keys, generator=gen) < nan] = float("nan")
+    return s.to(device)
+
+
+def qsa_topk_workload(spec, shape):
+    """Top-k and the expansion of `rows` rows of `keys` indexer-like scores, moved into the key's bucket (the
+    bucket's full width where `keys` is in another) and row class (wide: more rows than SMs)."""
+    buckets = (0, *topk_card.KEY_BUCKETS)
+    keys = shape["keys"]
+    if not buckets[buckets.index(spec["max_keys"]) - 1] < keys <= spec["max_keys"]:
+        keys = spec["max_keys"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = shape["rows"]
+    if (rows > sms) != bool(spec["wide"]):
+        rows = 2 * sms if spec["wide"] else sms // 2
+    k = min(shape["k"], keys)
+    gen = torch.Generator().manual_seed(0)
+    scores = indexer_like_scores(gen, rows, keys, device="cuda", visible=torch.randint(keys // 2, keys + 1, (rows,), generator=gen))
+    pos = torch.randint(0, 4 * keys, (rows,), generator=gen, dtype=torch.int32).cuda()
+    return (lambda: mate.qsa_topk_tokens(scores, k, pos), lambda: mate.qsa_topk_tokens(scores, k, pos, backend="reference"))
+
+
+def qsa_expand_workload(spec, shape):
+    """The expansion of `rows` x `k` random block ids (-1 pads among them) at random positions."""
+    gen = torch.Generator().manual_seed(0)
+    rows, k = shape["rows"], shape["k"]
+    blocks = torch.randint(-1, 8192, (rows, k), generator=gen, dtype=torch.int32).cuda()
+    pos = torch.randint(-2, 4 * 8192, (rows,), generator=gen, dtype=torch.int32).cuda()
+    return (lambda: mate.qsa_expand_blocks(blocks, pos), lambda: mate.qsa_expand_blocks(blocks, pos, backend="reference"))

@@ -1,0 +1,157 @@
+"""QSA selection (issue 43): top-k of each row's FP32 block scores and the 4-token expansion, against torch.topk and
+a torch expansion on the same inputs.
+
+  python benchmarks/bench_topk.py [--rows 1 64 256 4096] [--keys 8192] [--k 512] [--sweep] [--out FILE]
+
+Inputs: indexer-like scores (scale x a sum of 4 ReLUs, so exact zeros tie), every key visible and finite (torch.topk
+would take NaN as the largest), the row's position past the last key. Each mate result is checked bit for bit against the reference first. Times are
+the issue's measurement: one call per CUDA-graph replay with L2 flushed before each (do_bench median, us):
+
+- torch.topk: the values and ids (its -1 fills, as examples/serving_step.py makes them, included in the next);
+- torch select: torch.topk, -1 for non-finite scores, then the expansion in torch ops;
+- mate topk: qsa_topk_blocks; mate topk + expand: qsa_topk_blocks then qsa_expand_blocks (two kernels);
+- mate fused: qsa_topk_tokens (one kernel).
+
+--sweep times other qsa_topk tiles (threads, min_blocks) for the rows' key, fused call, through a patched config.
+--variants NAME=FILE ... times other versions of mate/qsa/kernels/topk.py (`-`: the shipped one; same program
+signatures; overrides.program_variants) in turn on the fused call, each checked (a probe that leaves out a
+phase is timed though wrong).
+Writes JSON (with the GPU, commit and command) and a markdown table to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+from common import RESULTS, cold_graph_us, environment, figure, write_json
+from overrides import program_variants, qsa_topk_key
+
+import mate
+from mate.tuning.measure import using_tiles
+from mate.tuning.workloads import indexer_like_scores
+
+REPORT = dict(stage="qsa_topk", quick=["--rows", "1", "64", "256", "4096"], full=["--rows", "1", "64", "256", "4096", "8192"])
+SWEEP = {0: [dict(threads=1024, min_blocks=1), dict(threads=512, min_blocks=1), dict(threads=256, min_blocks=1)],
+         1: [dict(threads=256, min_blocks=4), dict(threads=512, min_blocks=2), dict(threads=1024, min_blocks=1),
+             dict(threads=256, min_blocks=2)]}
+
+
+def torch_select(scores, k, pos, block_size=4):
+    """examples/serving_step.py's selection: torch.topk, -1 where the score is not finite, the expansion."""
+    top = scores.topk(k, dim=-1)
+    blocks = torch.where(torch.isfinite(top.values), top.indices, -1).to(torch.int32)
+    offs = torch.arange(block_size, device=scores.device, dtype=torch.int32)
+    selected = torch.where(blocks[..., None] >= 0, blocks[..., None] * block_size + offs, -1).flatten(-2)
+    tail = ((pos + 1) // block_size * block_size)[:, None] + offs[: block_size - 1]
+    return blocks, torch.cat([selected, torch.where(tail <= pos[:, None], tail, -1)], -1)
+
+
+def case(rows, keys, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    scores = indexer_like_scores(gen, rows, keys, device="cuda", visible=torch.full((rows,), keys), nan=0.0)
+    pos = torch.full((rows,), 4 * keys + 2, dtype=torch.int32, device="cuda")
+    blocks, tokens = mate.qsa_topk_tokens(scores, k, pos)
+    ref_blocks, ref_tokens = mate.qsa_topk_tokens(scores, k, pos, backend="reference")
+    exact = bool(torch.equal(blocks, ref_blocks) and torch.equal(tokens, ref_tokens)
+                 and torch.equal(mate.qsa_expand_blocks(mate.qsa_topk_blocks(scores, k), pos), ref_tokens))
+    if not exact:
+        print(f"rows {rows}: WRONG, native differs from the reference (timed anyway)", flush=True)
+    # torch's order among equal scores is its own: the selected sets agree where no tie crosses the k-th score
+    tb, _ = torch_select(scores, k, pos)
+    same = float((tb.sort(-1).values == ref_blocks.sort(-1).values).all(-1).float().mean())
+    impls = {
+        "torch.topk": lambda: scores.topk(k, dim=-1),
+        "torch select": lambda: torch_select(scores, k, pos),
+        "mate topk": lambda: mate.qsa_topk_blocks(scores, k),
+        "mate topk + expand": lambda: mate.qsa_expand_blocks(mate.qsa_topk_blocks(scores, k), pos),
+        "mate fused": lambda: mate.qsa_topk_tokens(scores, k, pos),
+    }
+    return dict(rows=rows, keys=keys, k=k, exact=exact, same_set_as_torch=same, us={n: cold_graph_us(f) for n, f in impls.items()}), scores, pos
+
+
+def sweep(rows, keys, k, scores, pos):
+    key = qsa_topk_key(rows, keys)
+    out = []
+    for tiles in SWEEP[int(key.endswith("wide=1"))]:
+        with using_tiles("sm90", "qsa_topk", key, tiles):
+            blocks, tokens = mate.qsa_topk_tokens(scores, k, pos)
+            ok = torch.equal(blocks, mate.qsa_topk_blocks(scores, k, backend="reference"))
+            out.append(dict(key=key, tiles=tiles, ok=ok, us=cold_graph_us(lambda: mate.qsa_topk_tokens(scores, k, pos)) if ok else None))
+            print(f"  sweep rows {rows} {key} {tiles}: " + (f"{out[-1]['us']:.2f} us" if ok else "wrong"), flush=True)
+    return out
+
+
+def compare(rows_list, keys, k, variants):
+    sources = {n: None if f == "-" else f for n, f in (v.split("=", 1) for v in variants)}
+    out = []
+    with program_variants("qsa_topk", sources) as use:
+        for rows in rows_list:
+            gen = torch.Generator().manual_seed(0)
+            scores = indexer_like_scores(gen, rows, keys, device="cuda", visible=torch.full((rows,), keys), nan=0.0)
+            pos = torch.full((rows,), 4 * keys + 2, dtype=torch.int32, device="cuda")
+            ref = mate.qsa_topk_blocks(scores, k, backend="reference")
+            res = dict(rows=rows)
+            for name in sources:
+                use(name)
+                ok = bool(torch.equal(mate.qsa_topk_tokens(scores, k, pos)[0], ref))
+                res[name] = dict(exact=ok, us=cold_graph_us(lambda: mate.qsa_topk_tokens(scores, k, pos)))
+                print(f"rows {rows} [{name}]: {res[name]['us']:.2f} us{'' if ok else ' (not exact)'}", flush=True)
+            out.append(res)
+    return out
+
+
+def figures(result):
+    rows = result["rows"]
+    impls = list(rows[0]["us"]) if rows else []
+    return [figure(f"QSA selection, top-{rows[0]['k'] if rows else 0} of {rows[0]['keys'] if rows else 0}", "rows", "time (us)",
+                   {n: [(r["rows"], r["us"][n]) for r in rows] for n in impls}, logy=True)]
+
+
+def markdown(result) -> str:
+    names = list(result["rows"][0]["us"])
+    lines = [f"QSA selection on {result['gpu']}, commit {result['commit']}, {result['date']}", "",
+             f"`{result['command']}`; cold CUDA graph (L2 flushed), do_bench median, us; top-{result['rows'][0]['k']} of "
+             f"{result['rows'][0]['keys']} indexer-like FP32 scores; mate exact: bitwise equal to the reference "
+             "(the fused call, and qsa_topk_blocks then qsa_expand_blocks)", "",
+             "| rows | " + " | ".join(names) + " | mate exact | same set as torch |", "|---" * (len(names) + 3) + "|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['rows']} | " + " | ".join(f"{r['us'][n]:.2f}" for n in names)
+                     + f" | {'yes' if r['exact'] else 'NO'} | {r['same_set_as_torch']:.2f} |")
+    for s in result.get("sweep", []):
+        lines.append(f"\nsweep rows {s['rows']}: " + "; ".join(
+            f"{t['tiles']} {'wrong' if not t['ok'] else format(t['us'], '.2f')}" for t in s["results"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 64, 256, 4096])
+    ap.add_argument("--keys", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>-topk.json; .md beside it)")
+    args = ap.parse_args(argv)
+    env = environment()
+    result = dict(env, rows=[], sweep=[])
+    if args.variants:
+        result["variants"] = compare(args.rows, args.keys, args.k, args.variants)
+        write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-topk-variants.json", result)
+        return result
+    for rows in args.rows:
+        r, scores, pos = case(rows, args.keys, args.k)
+        result["rows"].append(r)
+        print(f"rows {rows}: " + ", ".join(f"{n} {us:.2f}" for n, us in r["us"].items()) + " us", flush=True)
+        if args.sweep:
+            result["sweep"].append(dict(rows=rows, results=sweep(rows, args.keys, args.k, scores, pos)))
+    out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-topk.json", result)
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
