@@ -28,11 +28,16 @@ import time
 from mate import _dispatch
 
 
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+
+
 def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, str]]:
     """(stage, key) of every entry of the target's config, or of the named stages / dtypes only.
 
     An entry is of the dtype its key's `dtype=` names; a merge entry (no `dtype=`) is of its output
-    dtype `odtype=`, the model's: SplitKV attention merges FP32 partials into it.
+    dtype `odtype=`, the model's: SplitKV attention merges FP32 partials into it. An entry of no model
+    dtype (the selection's: top-k of FP32 scores, int32 block ids) is taken under every dtype filter,
+    since a model of any dtype calls it.
     """
     config = _dispatch.load_config(target)
     for name in stages or ():
@@ -44,7 +49,8 @@ def entries(target: str = "sm90", stages=None, dtypes=None) -> list[tuple[str, s
             continue
         for key in keys:
             spec = _dispatch.parse_key(key)
-            if not dtypes or spec.get("dtype", spec.get("odtype")) in dtypes:
+            dtype = spec.get("dtype", spec.get("odtype"))
+            if not dtypes or dtype in dtypes or dtype not in MODEL_DTYPES:
                 out.append((stage, key))
     return out
 
