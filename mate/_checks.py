@@ -10,6 +10,7 @@ what was expected and what was given.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -251,3 +252,93 @@ def out_buffer(name: str, out, *, shape, dtype, device) -> torch.Tensor:
     if _self_overlaps(out):
         raise ValueError(f"{name} has internal overlap (some elements share memory); pass a non-overlapping view")
     return out
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class KVScales(NamedTuple):
+    """What kv_scales resolved: the cache dtype, and per scale the host multiplier and the device tensor.
+
+    fp8: the caches are FP8 (else they are the query's dtype and both scales are 1).
+    k / v: the float multiplier (1.0 where the scale is a tensor); k_tensor / v_tensor: the one-element
+    FP32 device tensor the kernel reads instead (None where the scale is a float)."""
+
+    kv_dtype: torch.dtype
+    fp8: bool
+    k: float
+    v: float
+    k_tensor: torch.Tensor | None
+    v_tensor: torch.Tensor | None
+
+    def k_value(self, like: torch.Tensor) -> torch.Tensor | float:
+        """k_scale as the reference applies it: the float, or the tensor on like's device (FP32)."""
+        return self.k if self.k_tensor is None else self.k_tensor.to(like.device)
+
+    def v_value(self, like: torch.Tensor) -> torch.Tensor | float:
+        return self.v if self.v_tensor is None else self.v_tensor.to(like.device)
+
+
+def _kv_scale(name: str, s, fp8: bool, device) -> tuple[float, torch.Tensor | None]:
+    if s is None:
+        return 1.0, None
+    if isinstance(s, torch.Tensor):
+        if not fp8:
+            raise ValueError(f"{name} as a tensor applies to FP8 K/V only; BF16/FP16 K/V take no scale (None or 1.0)")
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {s.dtype}")
+        if s.numel() != 1 or s.dim() > 1:
+            raise ValueError(f"{name} must be a one-element tensor of shape () or (1,), got shape {tuple(s.shape)}")
+        if s.device != device:
+            raise ValueError(f"{name} is on {s.device} but the K/V cache is on {device}; a tensor scale must be on the cache's device")
+        return 1.0, canonical_unit_strides(s.reshape(1))  # a one-element view of any stride: the kernels' (1,) buffer
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{name} must be a float or a one-element float32 tensor, got {type(s).__name__}")
+    s = float(s)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {s}")
+    if not fp8 and s != 1.0:
+        raise ValueError(f"{name} must be 1.0 for non-FP8 K/V (nothing to dequantize), got {s}")
+    return s, None
+
+
+def kv_scales(k: torch.Tensor, v: torch.Tensor | None, k_scale, v_scale, query: torch.Tensor, *,
+              names: tuple[str, str, str] = ("k", "v", "q")) -> KVScales:
+    """The one check of a KV cache's dtype and its dequant scales (real value = stored value x scale).
+
+    k, v: the caches (v None for a key-only cache, the MQA indexer's; then v_scale must be None);
+    query: the query, whose dtype the matmuls run in; names: the entrypoint's names of k, v and query,
+    for the messages. Raises, never reading device memory:
+    - ValueError for an FP8 query (FP8 compute is not supported), for FP8 K with non-FP8 V or two FP8
+      kinds, and for non-FP8 K/V whose dtype is not the query's;
+    - for a float scale: TypeError if not a number, ValueError if <= 0, NaN or inf, or != 1 on
+      non-FP8 K/V;
+    - for a tensor scale: ValueError on non-FP8 K/V, TypeError unless float32, ValueError unless it
+      has one element (shape () or (1,)) and lives on k's device. Its value is the kernel's to read
+      (on the GPU, so it may change between CUDA-graph replays); mate.debug_checks() checks it is
+      positive and finite (one host sync), and so does the reference, which reads it anyway.
+    None means 1. FP8 is torch.float8_e4m3fn or torch.float8_e5m2, K and V of the same one; the query
+    stays BF16/FP16 (native) and the kernels upcast exactly (both FP8 kinds are exact in BF16 and FP16).
+    Returns KVScales: the cache dtype, whether it is FP8, and per scale the float multiplier and the
+    tensor (the kernels take the float folded into their scales, and read the tensor when there is one).
+    """
+    kn, vn, qn = names
+    if query.dtype in FP8_DTYPES:
+        raise ValueError(f"{qn} has dtype {query.dtype}: FP8 queries are not supported (FP8 compute is not "
+                         f"enabled); pass a bfloat16 or float16 {qn} (FP8 applies to the K/V cache only)")
+    fp8 = k.dtype in FP8_DTYPES
+    if v is not None and (fp8 or v.dtype in FP8_DTYPES) and v.dtype != k.dtype:
+        raise ValueError(f"{kn} has dtype {k.dtype} but {vn} has {v.dtype}: an FP8 cache needs {kn} and {vn} of one FP8 "
+                         "dtype (float8_e4m3fn or float8_e5m2)")
+    if not fp8:
+        same_dtype(**{qn: query, kn: k}, **({} if v is None else {vn: v}))
+    if v is None and v_scale is not None:
+        raise ValueError(f"v_scale applies to a value cache; this call has keys only ({kn})")
+    kf, kt = _kv_scale("k_scale", k_scale, fp8, k.device)
+    vf, vt = _kv_scale("v_scale", v_scale, fp8, k.device)
+    return KVScales(k.dtype, fp8, kf, vf, kt, vt)
+
+
+def dequantized(x: torch.Tensor, scale) -> torch.Tensor:
+    """An FP8 cache as FP32 real values (exact: value x scale, a float or a one-element tensor)."""
+    return x.float() * scale

@@ -13,6 +13,7 @@ first offending entry and its value:
 - `cu_seqlens_q`: nondecreasing, from 0 to the row count; `token_to_req` in
   [-1, num_requests);
 - `seq_lens_q` / `seq_lens_k` / `context_lens` / `block_counts`: in [0, capacity].
+- a tensor dequant scale of an FP8 cache (`k_scale`, `v_scale`): positive and finite.
 
 Each check costs a few small kernels and one host sync per checked tensor: debug mode is
 for development, not for serving, and cannot be captured in a CUDA graph. The reference
@@ -119,3 +120,13 @@ def request_rows(rows: int, n_req: int, cu_seqlens_q, token_to_req) -> None:
 def lengths(name: str, x, cap, what: str) -> None:
     if x is not None:
         in_range(name, x, 0, cap + 1 if isinstance(cap, int) else cap + 1, f" ({what})")
+
+
+def scales(kv) -> None:
+    """The tensor dequant scales of a resolved KV cache (mate._checks.KVScales): positive and finite.
+    The reference backend runs this always (it reads the values anyway)."""
+    for name, t in (("k_scale", kv.k_tensor), ("v_scale", kv.v_tensor)):
+        if t is not None:
+            value = float(t.reshape(()))
+            if not (value > 0 and value < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number, got {value} (its tensor's value)")

@@ -71,6 +71,25 @@ def _is_list(annotation) -> bool:
     return any(typing.get_origin(t) is list for t in (annotation, *typing.get_args(annotation)))
 
 
+def _is_scale(annotation) -> bool:
+    """A dequant scale (k_scale / v_scale of an FP8 cache): a float or a tensor, which no schema type is."""
+    return float in typing.get_args(annotation) and Tensor in typing.get_args(annotation)
+
+
+def _split_scales(op_sig: inspect.Signature) -> tuple[inspect.Signature, list[str]]:
+    """The op's signature with each scale parameter `n` as two: `n` (Tensor?) and `n_value` (float?)."""
+    params, scales = [], []
+    for n, p in op_sig.parameters.items():
+        if not _is_scale(p.annotation):
+            params.append(p)
+            continue
+        scales.append(n)
+        default = {} if p.default is inspect.Parameter.empty else {"default": None}
+        params += [p.replace(annotation=Tensor | None, **default),
+                   inspect.Parameter(f"{n}_value", p.kind, annotation=float | None, **default)]
+    return op_sig.replace(parameters=params), scales
+
+
 def _bind(sig: inspect.Signature, args, kwargs) -> dict:
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -96,7 +115,8 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
       (default: if it is a parameter); a buffer it does not hand over gets the result copied in;
     - returns(args, *buffers): the public result under torch.compile;
     - types: {parameter: type} where the entrypoint's annotation is no schema type.
-    A tuple given for a list parameter goes through as a list.
+    A tuple given for a list parameter goes through as a list; a scale parameter (float | Tensor, an FP8
+    cache's k_scale / v_scale) is two op parameters, `n` (the tensor) and `n_value` (the float).
     """
     sig = inspect.signature(entrypoint, eval_str=True)
     types = {n: (types or {}).get(n, p.annotation) for n, p in sig.parameters.items()}
@@ -112,10 +132,14 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
         annotated = {**{n: types[n] for n in given + rest}, **dict.fromkeys(buffers, Tensor), **{n: t for n, (t, _) in extra.items()}}
         order = given + list(buffers) + rest + list(extra)
         op_sig = inspect.Signature([P(n, P.POSITIONAL_OR_KEYWORD, annotation=annotated[n]) for n in order], return_annotation=None)
+    op_sig, scales = _split_scales(op_sig)
     lists = {n for n, p in op_sig.parameters.items() if _is_list(p.annotation)}
 
     def implementation(*args, **kwargs):
         a = _bind(op_sig, args, kwargs)
+        for n in scales:
+            value = a.pop(f"{n}_value")
+            a[n] = value if a[n] is None else a[n]
         if buffers is None:
             return entrypoint(**a)
         handed = {b: b in sig.parameters and passes.get(b, lambda _: True)(a) for b in buffers}
@@ -136,6 +160,8 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
         if buffers is not None:
             a.update({n: value(a) for n, (_, value) in extra.items()})  # from the caller's arguments, before allocating
             a.update({b: alloc(a) if a.get(b) is None else a[b] for b, alloc in buffers.items()})
+        for n in scales:
+            a[n], a[f"{n}_value"] = (a[n], None) if isinstance(a[n], Tensor) else (None, a[n])
         values = {n: list(a[n]) if n in lists and isinstance(a[n], tuple) else a[n] for n in op_sig.parameters}
         positional = [values[n] for n, p in op_sig.parameters.items() if p.kind is P.POSITIONAL_OR_KEYWORD]
         result = op(*positional, **{n: values[n] for n, p in op_sig.parameters.items() if p.kind is P.KEYWORD_ONLY})

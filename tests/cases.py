@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import mate
-from inputs import nsa_indices, qsa_token_rows, randint, randn, tail_view
+from inputs import fp8_cache, nsa_indices, qsa_token_rows, randint, randn, tail_view
 from mate.tuning.workloads import indexer_like_scores
 
 I32 = torch.int32
@@ -82,26 +82,42 @@ def mqa_prefill(device, gen):
     return Problem(call, refresh, tol=1e-4)
 
 
-def mqa_decode(device, gen):
-    B, pages, ps, max_pages = 5, 9, 16, 4
-    q = tail_view(gen, (B, 4, 128), device=device, pad_rows=1)
-    cache = tail_view(gen, (pages, ps, 1, 128), device=device, pad_rows=1)
-    table = torch.zeros(B, max_pages, dtype=I32, device=device)
-    ctx = torch.zeros(B, dtype=I32, device=device)
+def _mqa_decode(kv_dtype=None, q_dtype=BF16, tensor_scale=False):
+    """Paged decode; kv_dtype an FP8 key cache (issue 38) with a float k_scale, or with tensor_scale a 0-dim
+    FP32 tensor at a storage offset whose value refresh() rewrites in place, as a server does between replays."""
 
-    def refresh():
-        t = randint(gen, 0, pages, (B, max_pages), device)
-        t[0, 1], t[1, 0], t[2, -1] = -1, pages, pages + 1000  # missing and past-the-pool pages
-        table.copy_(t)
-        c = randint(gen, 1, max_pages * ps + 1, (B,), device)
-        c[3], c[4] = 0, max_pages * ps + 40  # empty, past the table
-        ctx.copy_(c)
+    def make(device, gen):
+        B, pages, ps, max_pages = 5, 9, 16, 4
+        q = tail_view(gen, (B, 4, 128), device=device, pad_rows=1, dtype=q_dtype)
+        if kv_dtype is None:
+            cache, kw = tail_view(gen, (pages, ps, 1, 128), device=device, pad_rows=1), {}
+        else:
+            cache = fp8_cache(gen, pages + 1, ps, 1, 128, device=device, dtype=kv_dtype)[1:]
+            k_scale = torch.zeros(2, device=device)[1] if tensor_scale else 0.0173
+            kw = dict(k_scale=k_scale)
+        table = torch.zeros(B, max_pages, dtype=I32, device=device)
+        ctx = torch.zeros(B, dtype=I32, device=device)
 
-    def call(backend):
-        return (mate.qsa_mqa_decode(q, cache, table, ctx, max_pages * ps + 5, backend=backend),)  # a -inf tail
+        def refresh():
+            t = randint(gen, 0, pages, (B, max_pages), device)
+            t[0, 1], t[1, 0], t[2, -1] = -1, pages, pages + 1000  # missing and past-the-pool pages
+            table.copy_(t)
+            c = randint(gen, 1, max_pages * ps + 1, (B,), device)
+            c[3], c[4] = 0, max_pages * ps + 40  # empty, past the table
+            ctx.copy_(c)
+            if tensor_scale:
+                kw["k_scale"].copy_(torch.empty(()).uniform_(0.01, 4.0, generator=gen))
 
-    refresh()
-    return Problem(call, refresh, tol=1e-4)
+        def call(backend):
+            return (mate.qsa_mqa_decode(q, cache, table, ctx, max_pages * ps + 5, **kw, backend=backend),)  # a -inf tail
+
+        refresh()
+        return Problem(call, refresh, tol=1e-4)
+
+    return make
+
+
+mqa_decode = _mqa_decode()
 
 
 # ---------------------------------------------------------------- NSA selection
@@ -472,6 +488,8 @@ CASES = {
     "mqa_score": mqa_score,
     "mqa_prefill": mqa_prefill,
     "mqa_decode": mqa_decode,
+    "mqa_decode_fp8": _mqa_decode(torch.float8_e4m3fn),  # a float k_scale, BF16 q
+    "mqa_decode_fp8_tensor_scale": _mqa_decode(torch.float8_e5m2, torch.float16, tensor_scale=True),
     "nsa_selection": nsa_selection,
     "nsa_packed": nsa_packed,
     "gqa_local": gqa((16, 0), 45, 70, 64),

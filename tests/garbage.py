@@ -38,17 +38,24 @@ class Case:
             poison_unused(buf, torch.zeros_like(used) if used_too else used)
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# FP8 garbage as bytes (torch.where has no FP8 kernel): NaN and -NaN in both kinds; e4m3fn's largest value 448 and
+# -256 (it has no inf), which are e5m2's NaN and -inf
+FP8_GARBAGE = (0x7F, 0xFF, 0x7E, 0xFC)
+
+
 def garbage_like(x: torch.Tensor) -> torch.Tensor:
-    """NaN, +Inf, -Inf and a huge finite value in turn."""
-    vals = torch.tensor(GARBAGE, dtype=torch.float32)
-    idx = torch.arange(x.numel()) % len(GARBAGE)
-    return vals[idx].reshape(x.shape).to(device=x.device, dtype=x.dtype)
+    """NaN, +Inf, -Inf and a huge finite value in turn (of an FP8 x: its bytes, FP8_GARBAGE in turn)."""
+    vals = torch.tensor(FP8_GARBAGE, dtype=torch.uint8) if x.dtype in FP8 else torch.tensor(GARBAGE, dtype=torch.float32)
+    idx = torch.arange(x.numel()) % len(vals)
+    return vals[idx].reshape(x.shape).to(device=x.device, dtype=torch.uint8 if x.dtype in FP8 else x.dtype)
 
 
 def poison_unused(x: torch.Tensor, used: torch.Tensor) -> None:
     """Garbage into x where `used` (bool, x's leading dims) is False."""
     mask = used.to(x.device).reshape(*used.shape, *([1] * (x.dim() - used.dim()))).expand(x.shape)
-    x.copy_(torch.where(mask, x, garbage_like(x)))
+    target = x.view(torch.uint8) if x.dtype in FP8 else x
+    target.copy_(torch.where(mask, target, garbage_like(x)))
 
 
 def with_tail(gen, shape, tail, *, device, dtype=BF16):
@@ -285,18 +292,24 @@ def _decode_pages(gen, B, pages, ps, maxp, ctx):
     return table, used
 
 
-def mqa_decode(device, gen):
+def mqa_decode(device, gen, kv_dtype=None, k_scale=1.0, tensor_scale=False):
     B, pages, ps, maxp = 3, 16, 16, 4
     q = randn(gen, B, 4, 128, device=device)
-    cache = randn(gen, pages, ps, 1, 128, device=device)
+    cache = randn(gen, pages, ps, 1, 128, device=device, scale=1 if kv_dtype is None else 50.0).to(kv_dtype or BF16)
     ctx = torch.tensor([37, 64, 5], dtype=I32)
     table, used = _decode_pages(gen, B, pages, ps, maxp, ctx)
     table, ctx = table.to(device), ctx.to(device)
+    kw = {} if kv_dtype is None else dict(k_scale=torch.tensor(k_scale, device=device) if tensor_scale else k_scale)
 
     def call(backend):
-        return (mate.qsa_mqa_decode(q, cache, table, ctx, maxp * ps, backend=backend),)
+        return (mate.qsa_mqa_decode(q, cache, table, ctx, maxp * ps, **kw, backend=backend),)
 
     return Case(call, [(cache, used)])
+
+
+def mqa_decode_fp8(kv_dtype, k_scale, tensor_scale=False):
+    """An FP8 key cache (issue 38): garbage bytes in its unused places; k_scale a float or (tensor_scale) a tensor."""
+    return lambda device, gen: mqa_decode(device, gen, kv_dtype, k_scale, tensor_scale)
 
 
 def mqa_score_paged(device, gen):

@@ -20,6 +20,16 @@ def randn(gen, *shape, device, dtype=BF16, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
 
+def fp8_cache(gen, *shape, device, dtype):
+    """An FP8 (torch.float8_e4m3fn / float8_e5m2) tensor whose values span the format: magnitudes from below its
+    smallest subnormal (flushed to 0) to its largest finite value, both signs, so that an upcast that is not exact
+    anywhere in the range shows up."""
+    mag = torch.exp2(torch.empty(*shape).uniform_(-18, 10, generator=gen))
+    x = torch.randn(*shape, generator=gen) * mag
+    fmax = torch.finfo(dtype).max
+    return x.clamp(-fmax, fmax).to(dtype).to(device)  # clamped: e4m3fn has no inf, an overflow would be NaN
+
+
 def randint(gen, lo, hi, shape, device="cpu"):
     return torch.randint(lo, hi, shape, generator=gen, dtype=I32).to(device)
 

@@ -27,6 +27,8 @@ CASES = {
     "mqa-score": G.mqa_score,
     "mqa-prefill": G.mqa_prefill,
     "mqa-decode": G.mqa_decode,
+    "mqa-decode-e4m3": G.mqa_decode_fp8(torch.float8_e4m3fn, 0.02),
+    "mqa-decode-e5m2-tensor-scale": G.mqa_decode_fp8(torch.float8_e5m2, 0.03, tensor_scale=True),
 }
 for _w in [(64, 0), (31, 5), (-1, 0), None, (0, 300)]:
     for _d in (64, 128):

@@ -269,3 +269,128 @@ def test_decode_accepts_broadcast_q_in_reference():
     cache = torch.randn(2, 8, 16)
     out = mate.qsa_mqa_decode(q, cache, i32(shape=(3, 1)), i32(8, 4, 0), 8, backend="reference")
     assert torch.isinf(out[2]).all() and torch.isfinite(out[0]).all()
+
+
+# ---------------------------------------------------------------- FP8 key caches (issue 38)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+TABLE = [[0, 1, 2, 3], [5, -1, 4, 9], [2, 2, 2, 2], [1, 0, -1, -1]]  # a missing, a past-the-pool and a repeated page
+
+
+def fp8_decode_inputs(gen, kv_dtype, q_dtype=torch.bfloat16, d=16):
+    from inputs import fp8_cache
+
+    q = rand(gen, 4, H, d, dtype=q_dtype)
+    cache = fp8_cache(gen, 6, 4, 1, d, device="cpu", dtype=kv_dtype)
+    table = torch.tensor(TABLE, dtype=torch.int32)
+    ctx = torch.tensor([16, 13, 0, 30], dtype=torch.int32)  # an empty request, one past the table's capacity
+    return q, cache, table, ctx, 22
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["float", "tensor ()", "tensor (1,) strided"])
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_decode_fp8_reference_is_the_reference_on_the_dequantized_cache(gen, kv_dtype, kind, q_dtype):
+    """Bitwise: the FP8 reference is the reference on FP32 keys = stored value x k_scale (and a float64 oracle agrees)."""
+    q, cache, table, ctx, L = fp8_decode_inputs(gen, kv_dtype, q_dtype)
+    value = 0.0371
+    k_scale = {"float": value, "tensor ()": torch.tensor(value),
+               "tensor (1,) strided": torch.full((6,), value)[::3][1:]}[kind]  # shape (1,), stride 3, at an offset
+    got = mate.qsa_mqa_decode(q, cache, table, ctx, L, scale=0.25, k_scale=k_scale, backend="reference")
+    real = cache.float() * k_scale
+    want = mate.qsa_mqa_decode(q.float(), real, table, ctx, L, scale=0.25, backend="reference")
+    assert torch.equal(got, want)
+    assert torch.isfinite(got).sum() > 20  # not a vacuous comparison of -inf rows
+    for b in range(4):
+        key_of, exists = paged_key(real[:, :, 0], table[b], 4)
+        close(got[b], naive_row(q[b].float(), key_of, lambda j: exists(j) and j < int(ctx[b]), L, 0.25))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_decode_fp8_scale_none_is_one_and_a_tensor_is_read_at_the_call(gen, kv_dtype):
+    q, cache, table, ctx, L = fp8_decode_inputs(gen, kv_dtype)
+    plain = mate.qsa_mqa_decode(q.float(), cache.float(), table, ctx, L, backend="reference")
+    assert torch.equal(mate.qsa_mqa_decode(q, cache, table, ctx, L, backend="reference"), plain)
+    assert torch.equal(mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=1.0, backend="reference"), plain)
+    ks = torch.tensor(1.0)
+    for value in (1.0, 8.0):  # the same tensor, rewritten in place: each call uses its value then (powers of 2: exact)
+        ks.fill_(value)
+        got = mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=ks, backend="reference")
+        assert torch.equal(got, torch.where(torch.isinf(plain), plain, plain * value))
+
+
+def test_kv_scales_raises_every_documented_error():
+    """Every error of mate._checks.kv_scales, the one check of a cache's dtype and scales (the K/V pairs directly:
+    the indexer's cache has keys only)."""
+    e4, e5 = (torch.zeros(2, 4, 8, dtype=t) for t in FP8)
+    b16, q = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.bfloat16)
+    ok = _checks.kv_scales(e4, e4.clone(), 0.5, torch.tensor([2.0]), q)
+    assert ok.fp8 and ok.kv_dtype == torch.float8_e4m3fn and (ok.k, ok.v) == (0.5, 1.0) and ok.k_tensor is None
+    assert ok.v_tensor.shape == (1,) and float(ok.v_tensor) == 2.0
+    plain = _checks.kv_scales(b16, b16, None, 1.0, q)
+    assert not plain.fp8 and (plain.k, plain.v) == (1.0, 1.0)
+    raises(ValueError, "q has dtype torch.float8_e4m3fn: FP8 queries are not supported", _checks.kv_scales, e4, e4, None, None, q.to(torch.float8_e4m3fn))
+    for k, v in ((e4, b16), (e4, e5), (b16, e5), (e5, e4)):
+        raises(ValueError, "one FP8 dtype", _checks.kv_scales, k, v, None, None, q)
+    raises(ValueError, "v has dtype", _checks.kv_scales, b16, b16.half(), None, None, q)
+    raises(ValueError, "v_scale applies to a value cache", _checks.kv_scales, e4, None, None, 1.0, q)
+    for name, at in (("k_scale", lambda s: (s, None)), ("v_scale", lambda s: (None, s))):
+        bad = [
+            (torch.tensor(1.0), ValueError, "applies to FP8 K/V only", b16),
+            (torch.tensor(1.0, dtype=torch.float64), TypeError, "float32 tensor", e4),
+            (torch.tensor(1.0, dtype=torch.bfloat16), TypeError, "float32 tensor", e4),
+            (torch.ones(2), ValueError, "one-element tensor", e4),
+            (torch.ones(1, 1), ValueError, "one-element tensor", e4),
+            (torch.ones(0), ValueError, "one-element tensor", e4),
+            (torch.ones(1, device="meta"), ValueError, "on the cache's device", e4),
+            ("0.5", TypeError, "float or a one-element float32 tensor", e4),
+            (True, TypeError, "float or a one-element float32 tensor", e4),
+            ([0.5], TypeError, "float or a one-element float32 tensor", e4),
+            (2.0, ValueError, "must be 1.0 for non-FP8", b16),
+        ] + [(x, ValueError, "positive finite", e4) for x in (0.0, -0.5, 0, float("nan"), float("inf"), -float("inf"))]
+        for s, exc, match, cache in bad:
+            with pytest.raises(exc, match=match) as e:
+                _checks.kv_scales(cache, cache, *at(s), q)
+            assert str(e.value).startswith(name), (name, str(e.value))  # the message names the scale
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_decode_fp8_errors(gen, kv_dtype):
+    """The checks through qsa_mqa_decode: reference and native wrappers alike raise before any compute."""
+    q, cache, table, ctx, L = fp8_decode_inputs(gen, kv_dtype)
+    for backend in ("reference", "tilelang"):
+        call = lambda k_scale, q=q, cache=cache: mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=k_scale, backend=backend)
+        raises(ValueError, "FP8 queries", call, None, q=q.to(kv_dtype))
+        raises(ValueError, "k_scale must be a positive finite", call, 0.0)
+        raises(ValueError, "k_scale must be a positive finite", call, float("nan"))
+        raises(TypeError, "k_scale must be a float32 tensor", call, torch.tensor(0.5, dtype=torch.float64))
+        raises(ValueError, "k_scale must be a one-element", call, torch.ones(2))
+        raises(ValueError, "k_scale is on meta", call, torch.ones((), device="meta"))
+        raises(TypeError, "k_scale must be a float", call, "1")
+        raises(ValueError, "k_scale as a tensor applies to FP8", call, torch.tensor(1.0), cache=cache.bfloat16())
+        raises(ValueError, "k_scale must be 1.0 for non-FP8", call, 0.5, cache=cache.bfloat16())
+        raises(ValueError, "k_cache has dtype", call, None, cache=cache.half())  # BF16 q, FP16 keys
+    # A tensor's value: the reference reads it, so it checks it always ...
+    for value in (0.0, -1.0, float("nan"), float("inf")):
+        raises(ValueError, "k_scale must be a positive finite number, got .* \\(its tensor's value\\)",
+               mate.qsa_mqa_decode, q, cache, table, ctx, L, k_scale=torch.tensor(value), backend="reference")
+    # ... the native wrapper never reads device memory: only in debug mode (here it raises that first, on the CPU,
+    # where it would otherwise reach its device check).
+    bad = torch.tensor(float("nan"))
+    native = (bf16(2, H, D), torch.zeros(3, 16, D, dtype=kv_dtype), i32(shape=(2, 1)), i32(shape=(2,)), 16)  # native limits
+    raises(ValueError, "sm90", mate.qsa_mqa_decode, *native, k_scale=bad)
+    with mate.debug_checks():
+        raises(ValueError, "its tensor's value", mate.qsa_mqa_decode, *native, k_scale=bad)
+        raises(ValueError, "sm90", mate.qsa_mqa_decode, *native, k_scale=torch.tensor(0.5))  # a good value passes
+
+
+def test_decode_fp8_native_layout_rule_counts_bytes():
+    """16-byte copies: an FP8 cache's offsets and strides are multiples of 16 elements, a 16-bit one's of 8. The
+    layout error comes before the device check, so both are seen on the CPU."""
+    q, table, ctx = bf16(2, H, D), i32(shape=(2, 1)), i32(shape=(2,))
+    fp8_pool = torch.zeros(3, 16, D + 16, dtype=torch.float8_e4m3fn)
+    raises(ValueError, _checks.LAYOUT_ERROR, mate.qsa_mqa_decode, q, fp8_pool[..., 8 : 8 + D], table, ctx, 4)  # 8 bytes in
+    raises(ValueError, "sm90", mate.qsa_mqa_decode, q, fp8_pool[..., 16 : 16 + D], table, ctx, 4)  # 16 bytes in: legal
+    raises(ValueError, _checks.LAYOUT_ERROR, mate.qsa_mqa_decode, q, torch.zeros(3, 16, D + 8, dtype=torch.float8_e5m2)[..., :D],
+           table, ctx, 4)  # key stride 136 bytes
+    raises(ValueError, "sm90", mate.qsa_mqa_decode, q, bf16(3, 16, D + 8)[..., 8 : 8 + D], table, ctx, 4)  # 16 bytes for BF16

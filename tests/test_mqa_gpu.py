@@ -137,3 +137,63 @@ def test_graph_replay_uses_current_metadata():
         torch.cuda.synchronize()
         for got, want in zip(outs, calls()):
             assert_scores_match(got, want, rtol=0)
+
+
+# ---------------------------------------------------------------- FP8 key caches (issue 38)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# every page size with BF16 q, one with FP16 (each pair is a kernel of its own to compile)
+FP8_SPECS = [(torch.bfloat16, ps) for ps in (8, 16, 32, 64)] + [(torch.float16, 16)]
+
+
+def fp8_decode_problem(kv_dtype, q_dtype, page_size, B=5, pages=40, max_pages=9):
+    from inputs import fp8_cache
+
+    gen = torch.Generator().manual_seed(page_size)
+    q = randn(B, H, D, dtype=q_dtype)
+    pool = fp8_cache(gen, pages + 1, page_size, 1, D + 16, device="cuda", dtype=kv_dtype)
+    cache = pool[1:, :, :, 16:]  # a page and 16 bytes in, key stride 144 bytes: legal for FP8, not a contiguous view
+    table = torch.randint(0, pages, (B, max_pages), device="cuda", dtype=torch.int32)
+    table[0, 2], table[1, 0], table[2, -1] = -1, pages + 3, -1  # missing, past the pool
+    L = max_pages * page_size - 3
+    ctx = torch.tensor([L, L - 5, 0, 1, max_pages * page_size + 50], device="cuda", dtype=torch.int32)
+    return q, cache, table, ctx, L
+
+
+@pytest.mark.parametrize("scale", ["float", "tensor"])
+@pytest.mark.parametrize("q_dtype, page_size", FP8_SPECS, ids=[f"{str(d)[6:]}-page{p}" for d, p in FP8_SPECS])
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_decode_fp8(kv_dtype, q_dtype, page_size, scale):
+    """Native vs reference on the same random FP8 cache (values across the format's range), output memory poisoned."""
+    q, cache, table, ctx, L = fp8_decode_problem(kv_dtype, q_dtype, page_size)
+    k_scale = 0.0213 if scale == "float" else torch.tensor([0.0213], device="cuda")
+    out, ref = native_and_reference(mate.qsa_mqa_decode, q, cache, table, ctx, L, k_scale=k_scale)
+    assert torch.isfinite(ref).sum() > L  # rows with keys
+    assert_scores_match(out, ref)
+    # max_model_len past the table (a -inf tail), the 3-d cache form and score_scale
+    out, ref = native_and_reference(mate.qsa_mqa_decode, q, cache[:, :, 0], table, ctx, L + 2 * page_size + 1,
+                                    score_scale=2.0, k_scale=k_scale)
+    assert_scores_match(out, ref)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_decode_fp8_graph_replay_reads_the_tensor_scale(kv_dtype):
+    """A tensor k_scale is read at each replay: rewritten in place between two replays (same metadata), the scores
+    follow it exactly (powers of 2), and each replay equals the reference on the current scale; outputs NaN first."""
+    q, cache, table, ctx, L = fp8_decode_problem(kv_dtype, torch.bfloat16, 16)
+    ks = torch.tensor(4.0, device="cuda")
+    mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=ks)  # compiles outside the capture
+    graph, out = capture_graph(lambda: mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=ks))
+    replays = []
+    for value, new_table in ((4.0, False), (0.5, False), (0.125, True)):
+        ks.fill_(value)
+        if new_table:  # and new metadata too
+            table.copy_(torch.randint(-1, 43, table.shape, device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(out.clone())
+        assert_scores_match(replays[-1], mate.qsa_mqa_decode(q, cache, table, ctx, L, k_scale=ks, backend="reference"))
+    fin = torch.isfinite(replays[0])
+    assert fin.sum() > L and torch.equal(fin, torch.isfinite(replays[1]))
+    assert torch.equal(replays[1][fin], replays[0][fin] / 8)  # not the captured 4.0

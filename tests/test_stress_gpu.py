@@ -157,6 +157,40 @@ def test_gqa_option_variants_finish_back_to_back_launches():
     _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")
 
 
+# The MQA indexer's FP8 decode (issue 38), a compile-time variant of every mqa_decode entry: each key of the shipped
+# config with both FP8 kinds, on the card's quick shape, a tensor k_scale (the scale read on the GPU); the result
+# must not change over the launches.
+MQA_FP8_CHILD = HAMMER + """
+import json, mate
+from mate import _dispatch
+from mate.qsa.kernels.mqa_card import FP8_KV
+shape = _dispatch.STAGES["mqa_decode"].shapes["quick"][0]
+batch, keys = shape["batch"], shape["keys"]
+for key in json.loads(sys.argv[1]):
+    spec = _dispatch.parse_key(key)
+    ps, pages = spec["page_size"], batch * keys // spec["page_size"]
+    q = torch.randn(batch, 4, 128, device="cuda").to(getattr(torch, spec["dtype"]))
+    table = torch.randperm(pages, device="cuda").int().view(batch, -1)
+    ctx = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    ks = torch.tensor(0.05, device="cuda")
+    for kv in FP8_KV:
+        cache = (torch.randn(pages, ps, 1, 128, device="cuda") * 20).to(getattr(torch, kv))
+        call = lambda: mate.qsa_mqa_decode(q, cache, table, ctx, keys, k_scale=ks)
+        first = call()
+        hammer(f"mqa fp8 decode {key} {kv}", call)
+        assert torch.equal(call(), first), f"{key} {kv}: the result changed over the launches"
+"""
+
+
+def mqa_fp8_keys() -> list:
+    return list(_dispatch.load_config("sm90")["mqa_decode"])
+
+
+def test_mqa_fp8_decode_finishes_back_to_back_launches():
+    keys = mqa_fp8_keys()
+    _finish([MQA_FP8_CHILD, json.dumps(keys), str(LAUNCHES)], 2 * len(keys), "mqa fp8 decode")
+
+
 # The NSA backward kernels (BACKWARD): forward + backward of (key, tiles) cases, LAUNCHES times back to back
 # each (each backward launches the dq and the dk/dv kernel), on 2048 tokens, H 16 / G 2, T 16.
 BACKWARD_CHILD = HAMMER + """
@@ -290,7 +324,9 @@ def variant_kernels() -> list:
             + [(stage, BACKWARD_KEY, tiles) for stage, tiles in ring_variants()]
             + [("gqa_decode", key, tiles) for key, tiles in decode_rings()]
             + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()]
-            + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_warp_rings()])
+            + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_warp_rings()]
+            + [("mqa_decode", key, {**_dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90"), **v})
+               for key in mqa_fp8_keys() for v in _dispatch.STAGES["mqa_decode"].variants(_dispatch.parse_key(key))])
 
 
 if __name__ == "__main__":

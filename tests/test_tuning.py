@@ -35,7 +35,8 @@ def test_every_native_stage_is_tunable_from_its_card():
 @pytest.mark.parametrize("stage", sorted(_dispatch.STAGES))
 def test_card_names_the_program_and_its_arguments(stage):
     """A card's specialization keys and tile parameters are its program's arguments; the MQA programs take
-    nothing else (their geometry is the card's constants, which they import)."""
+    nothing else (their geometry is the card's constants, which they import) but their variants' options
+    (mqa_decode's FP8 kv_dtype)."""
     import importlib
     import inspect
 
@@ -46,7 +47,8 @@ def test_card_names_the_program_and_its_arguments(stage):
     if stage in ("mqa_logits", "mqa_decode"):
         from mate.qsa.kernels import mqa, mqa_card
 
-        assert list(params) == required
+        options = {n for spec in _dispatch.load_config("sm90")[stage] for v in card.variants(_dispatch.parse_key(spec)) for n in v}
+        assert list(params) == required + sorted(options)
         assert (mqa.HEADS, mqa.DIM, mqa.HEADS_MMA, mqa.LOAD_ELEMS) == (mqa_card.HEADS, mqa_card.DIM, mqa_card.HEADS_MMA, mqa_card.LOAD_ELEMS)
 
 

@@ -323,6 +323,7 @@ def qsa_mqa_decode(
     score_scale: float | None = None,
     *,
     scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
     backend: str = "tilelang",
 ) -> torch.Tensor:
     """Paged-decode MQA logits: FP32 [B, max_model_len].
@@ -332,13 +333,28 @@ def qsa_mqa_decode(
     (-1 for unused); context_lens int32 [B], visible compressed keys per request.
     Key n scores -inf unless n < context_lens[b] and its page exists (in the
     table, inside the pool): an empty pool or a 0-column page_table gives -inf
-    everywhere. Native: BF16/FP16, heads 4, dim 128, page sizes
-    8/16/32/64; q goes through plain loads, so broadcast (stride-0) q is fine.
+    everywhere. Native: q BF16/FP16 with a k_cache of q's dtype or FP8, heads 4,
+    dim 128, page sizes 8/16/32/64; q goes through plain loads, so broadcast
+    (stride-0) q is fine.
+
+    FP8 cache: k_cache torch.float8_e4m3fn or torch.float8_e5m2 (q stays BF16/FP16: an FP8 q raises),
+    k_scale its per-tensor dequant multiplier (real key = stored value x k_scale): a positive finite
+    float, or a one-element (shape () or (1,)) float32 tensor on the cache's device, which the kernel
+    reads on the GPU, so it may change between CUDA-graph replays with no host sync (a float is fixed
+    when a graph is captured). None means 1; a BF16/FP16 cache takes none (or 1.0). The native kernel
+    gathers the FP8 keys, upcasts them exactly into q's dtype and multiplies the scores by k_scale; the
+    reference scores the dequantized keys (FP32 value x k_scale). A tensor's value is checked (> 0,
+    finite) by the reference and under mate.debug_checks(); natively it is trusted. The native layout
+    rule counts bytes: an FP8 cache's outer strides are multiples of 16 elements. Errors: ValueError for
+    an FP8 q, a k_scale <= 0, NaN, inf or != 1 on a BF16/FP16 cache, a tensor k_scale on a BF16/FP16
+    cache or of more than one element or on another device; TypeError for a k_scale that is neither a
+    number nor a tensor, or a tensor that is not float32.
     """
     problem = _resolve_decode(**locals())  # first statement: locals() is exactly the parameters
     if problem.backend == "reference":
         p = problem
-        return reference.mqa_decode(p.q, p.cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
+        cache = C.dequantized(p.cache, p.kv.k_value(p.cache)) if p.kv.fp8 else p.cache
+        return reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
     return _decode_native(problem)
 
 
@@ -353,10 +369,11 @@ class DecodeProblem(NamedTuple):
     context_lens: torch.Tensor
     max_model_len: int
     scale: float
+    kv: C.KVScales
     target: str | None
 
 
-def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, backend) -> DecodeProblem:
+def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, k_scale, backend) -> DecodeProblem:
     """Every check of qsa_mqa_decode, in one order: inputs, page table and lengths, devices, the
     debug value checks, the scale, the native limits."""
     backend = _dispatch.backend(backend)
@@ -366,7 +383,7 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         raise ValueError(f"q must be [B, heads, dim] or [B, 1, heads, dim], got {tuple(q.shape)}")
     C.tensor("k_cache", k_cache, ndim=(3, 4))
     C.floating("k_cache", k_cache)
-    C.same_dtype(q=q, k_cache=k_cache)
+    kv = C.kv_scales(k_cache, None, k_scale, None, q, names=("k_cache", None, "q"))
     if k_cache.dim() == 4 and k_cache.shape[2] != 1:
         raise ValueError(f"k_cache must be [pages, page_size, 1, dim] or [pages, page_size, dim], got {tuple(k_cache.shape)}")
     if k_cache.shape[-1] != q.shape[-1]:
@@ -384,6 +401,8 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         pages = k_cache.shape[0]
         _debug.in_range("page_table", page_table, -1, pages, f" (k_cache holds {pages} pages)")
         _debug.lengths("context_lens", context_lens, page_table.shape[1] * k_cache.shape[1], "keys the page table holds")
+    if _debug.enabled() or backend == "reference":
+        _debug.scales(kv)
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     q3 = q.reshape(batch, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]) if k_cache.dim() == 4 else k_cache
@@ -398,7 +417,7 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         C.unit_feature_stride("q", q)
         C.vector_layout("k_cache", k_cache)
         target = _dispatch.target_of(q, "q")
-    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, target)
+    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target)
 
 
 def _decode_native(p: DecodeProblem) -> torch.Tensor:
@@ -407,6 +426,14 @@ def _decode_native(p: DecodeProblem) -> torch.Tensor:
     if batch == 0 or p.cache.shape[0] == 0:
         return out.fill_(float("-inf"))
     spec = {"dtype": str(p.q.dtype).removeprefix("torch."), "page_size": p.cache.shape[1]}
-    kern = _dispatch.kernel(DECODE.name, spec, p.target)
-    kern(p.q, C.canonical_unit_strides(p.cache), p.page_table, p.context_lens, out, p.scale)
+    cache = C.canonical_unit_strides(p.cache)
+    if not p.kv.fp8:
+        _dispatch.kernel(DECODE.name, spec, p.target)(p.q, cache, p.page_table, p.context_lens, out, p.scale)
+        return out
+    # FP8: a float k_scale folds into the scores' factor here (k.k == 1.0 with a tensor); a tensor one the kernel
+    # reads on the GPU (flag 1), a stand-in it never reads otherwise.
+    kern = _dispatch.kernel(DECODE.name, spec, p.target, kv_dtype=str(p.kv.kv_dtype).removeprefix("torch."))
+    dev = p.kv.k_tensor is not None
+    ks = p.kv.k_tensor if dev else _dispatch.Placeholders(p.q.device)(torch.float32, 1)
+    kern(p.q, cache, p.page_table, p.context_lens, out, p.scale * p.kv.k, ks, int(dev))
     return out

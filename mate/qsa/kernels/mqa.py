@@ -20,15 +20,17 @@ TMA store through shared memory was slower, 167.9 us, as TileLang waits for it.)
 gathered keys are the M operand and the 4 heads, zero-padded to 8, the N
 operand, so the tensor cores still do the dot products. At one request the
 call is latency: the page-table entries, the context length and Q are loaded
-together, then the keys, two memory round trips before the MMA.
+together, then the keys, two memory round trips before the MMA. An FP8 key
+cache (kv_dtype) is gathered as FP8, half the bytes of the 16-bit one (what
+bounds this kernel at large batches), upcast exactly into the query's dtype
+in shared memory, and its per-tensor k_scale multiplies the scores.
 """
 
 import tilelang.language as T
 
-from mate.qsa.kernels.mqa_card import DIM, HEADS, HEADS_MMA, LOAD_ELEMS, PRODUCER_REGS, consumer_regs
+from mate.qsa.kernels.mqa_card import DIM, FP8_KV, HEADS, HEADS_MMA, LOAD_ELEMS, PRODUCER_REGS, consumer_regs
 
 NEG_INF = -T.infinity("float32")
-ROW_CHUNKS = DIM // LOAD_ELEMS  # 16-byte loads per key row
 
 
 # ---------------------------------------------------------------- mqa_logits
@@ -204,6 +206,14 @@ def _gather_keys(Kc, Ks, pages, page_size, block_keys, dtype):
 
 
 @T.macro
+def _upcast(K8, Ks, block_keys, dtype):
+    """An FP8 tile (half the bytes gathered) into the query's dtype, exactly (every e4m3 / e5m2 value is a BF16
+    and an FP16 value), once in shared memory: the MMA reads it from there, as it reads the 16-bit tile."""
+    for i, d in T.Parallel(block_keys, DIM):
+        Ks[i, d] = T.cast(K8[i, d], dtype)
+
+
+@T.macro
 def _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys):
     """The tile's scores, -inf for a key not visible or in a page not read."""
     for i in T.Parallel(block_keys):
@@ -212,34 +222,41 @@ def _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys):
             O[by, n] = T.if_then_else((pages[i // page_size] >= 0) & (n < ctx), score[i] * scale, NEG_INF)
 
 
-def mqa_decode(dtype, page_size, block_keys, threads):
+def mqa_decode(dtype, page_size, block_keys, threads, kv_dtype=None):
+    """kv_dtype (a compile-time option, not a config key): an FP8 cache's dtype, on the entry's tiles; its keys
+    are gathered as FP8 and upcast in shared memory, and the per-tensor k_scale, a factor of every score, is
+    folded into `scale` (a float, by the host) or read from KS (a one-element tensor, when k_dev)."""
+    fp8 = kv_dtype is not None
+    assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
+    kv_dtype = kv_dtype or dtype
+    align = 16 if fp8 else LOAD_ELEMS  # cache elements per 16-byte copy
     assert block_keys % page_size == 0, "block_keys must be a multiple of page_size"
-    assert (block_keys * ROW_CHUNKS) % threads == 0, "every thread copies the same number of 16-byte chunks"
+    assert (block_keys * DIM // align) % threads == 0, "every thread copies the same number of 16-byte chunks"
     B, P, MP, L = T.dynamic("B P MP L")
     sqb, sqh, skp, skt, spb, spp, scl = T.dynamic("sqb sqh skp skt spb spp scl", "int64")
     pages_per_tile = block_keys // page_size
 
-    @T.prim_func
-    def main(
-        Q: T.StridedTensor((B, HEADS, DIM), (sqb, sqh, 1), dtype),
-        Kc: T.StridedTensor((P, page_size, DIM), (skp, skt, 1), dtype),
-        page_table: T.StridedTensor((B, MP), (spb, spp), "int32"),
-        context_lens: T.StridedTensor((B,), (scl,), "int32"),
-        O: T.Tensor((B, L), "float32"),
-        scale: T.float32,
-    ):
+    @T.macro
+    def body(Q, Kc, page_table, context_lens, O, scale, KS=None, k_dev=None):
         with T.Kernel(T.ceildiv(L, block_keys), B, threads=threads) as (bx, by):
             Qs = T.alloc_shared((HEADS_MMA, DIM), dtype)
             Ks = T.alloc_shared((block_keys, DIM), dtype)
+            K8 = T.alloc_shared((block_keys, DIM), kv_dtype) if fp8 else None  # the FP8 tile as gathered
             pages = T.alloc_shared((pages_per_tile,), "int32")
             S = T.alloc_fragment((block_keys, HEADS_MMA), "float32")
             score = T.alloc_fragment((block_keys,), "float32")
             tx = T.get_thread_binding()
             # The wrapper checks the layout rule; telling the compiler lets it use 16-byte loads.
-            T.assume(skp % 8 == 0)
-            T.assume(skt % 8 == 0)
+            T.assume(skp % align == 0)
+            T.assume(skt % align == 0)
             n0 = bx * block_keys
             ctx = context_lens[by]
+            if fp8:
+                # k_scale multiplies every q.k; ReLU commutes with a positive factor, so it multiplies the score
+                # (the checks require it positive). Loaded with the table and the length, in their round trip;
+                # with a float scale (k_dev 0, KS a stand-in) nothing is loaded.
+                k_scale = T.alloc_var("float32")
+                k_scale = T.if_then_else(k_dev > 0, KS[0], T.float32(1))
 
             lp = n0 // page_size + tx
             pt = T.if_then_else((tx < pages_per_tile) & (lp < MP), page_table[by, lp], -1)
@@ -248,11 +265,30 @@ def mqa_decode(dtype, page_size, block_keys, threads):
             for h, d in T.Parallel(HEADS_MMA, DIM):
                 Qs[h, d] = T.if_then_else(h < HEADS, Q[by, h, d], T.cast(0, dtype))
             _tile_pages(pages, pt, tx, n0, ctx, P, page_size, pages_per_tile)
-            _gather_keys(Kc, Ks, pages, page_size, block_keys, dtype)
+            _gather_keys(Kc, K8 if fp8 else Ks, pages, page_size, block_keys, kv_dtype)
+            if fp8:
+                _upcast(K8, Ks, block_keys, dtype)
             T.gemm(Ks, Qs, S, transpose_B=True, clear_accum=True)
             for i, h in T.Parallel(block_keys, HEADS_MMA):
                 S[i, h] = T.max(S[i, h], 0)
             T.reduce_sum(S, score, dim=1)
-            _store_scores(O, pages, score, by, n0, ctx, scale, page_size, block_keys)
+            _store_scores(O, pages, score, by, n0, ctx, scale * k_scale if fp8 else scale, page_size, block_keys)
 
-    return main
+    Q_t = T.StridedTensor((B, HEADS, DIM), (sqb, sqh, 1), dtype)
+    K_t = T.StridedTensor((P, page_size, DIM), (skp, skt, 1), kv_dtype)
+    PT_t = T.StridedTensor((B, MP), (spb, spp), "int32")
+    CL_t = T.StridedTensor((B,), (scl,), "int32")
+
+    if not fp8:
+        @T.prim_func
+        def main(Q: Q_t, Kc: K_t, page_table: PT_t, context_lens: CL_t, O: T.Tensor((B, L), "float32"), scale: T.float32):
+            body(Q, Kc, page_table, context_lens, O, scale)
+
+        return main
+
+    @T.prim_func
+    def main_fp8(Q: Q_t, Kc: K_t, page_table: PT_t, context_lens: CL_t, O: T.Tensor((B, L), "float32"), scale: T.float32,
+                 KS: T.Tensor((1,), "float32"), k_dev: T.int32):
+        body(Q, Kc, page_table, context_lens, O, scale, KS, k_dev)
+
+    return main_fp8

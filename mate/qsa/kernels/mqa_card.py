@@ -12,6 +12,8 @@ HEADS, DIM = 4, 128  # the indexer's geometry: the programs' `heads` and `dim`
 HEADS_MMA = max(8, HEADS)  # the decode MMA's N is at least 8: heads padded with zero rows
 LOAD_ELEMS = 8  # 16-bit elements per 16-byte load
 PAGE_SIZES = (8, 16, 32, 64)  # decode's page sizes, one specialization each
+# decode's FP8 key caches (issue 38), a compile-time option on the entry's tiles: TileLang's names (torch's less "torch.")
+FP8_KV = ("float8_e4m3fn", "float8_e5m2")
 SPARE_REGS = 64  # registers per thread kept beside the tiles (addresses, indices, loop state)
 # mqa_logits' consumer beside its three score fragments: ptxas fit 64 x 128 tiles (192 fragment registers)
 # into 232 with a 4-byte spill (CUDA 13.0)
@@ -51,9 +53,11 @@ def _decode_limits(spec, t):
     if why := warpgroups(t["threads"], t["block_keys"], "block_keys"):
         return why
     nbytes = itemsize(spec["dtype"])
-    smem = nbytes * (HEADS_MMA + t["block_keys"]) * DIM  # Q (padded heads) and the gathered K tile
+    # Q (padded heads) and the K tile the MMA reads; an FP8 variant (one program of every entry) gathers its tile
+    # as FP8 beside that one (1 byte a key element), so an entry is legal only if that fits too
+    smem = nbytes * (HEADS_MMA + t["block_keys"]) * DIM + t["block_keys"] * DIM
     if smem > SMEM_PER_CTA:
-        return f"shared memory {smem} B > {SMEM_PER_CTA}"
+        return f"shared memory {smem} B (with the FP8 variant's tile) > {SMEM_PER_CTA}"
     # S (block_keys x padded heads, FP32); the keys go to shared memory by cp.async, not through registers
     regs = t["block_keys"] * HEADS_MMA // t["threads"]
     if regs + SPARE_REGS > MAX_REGS:
@@ -83,4 +87,6 @@ DECODE = Stage(
     shapes=dict(quick=[dict(batch=32, keys=8192)], full=[dict(batch=32, keys=8192), dict(batch=128, keys=8192), dict(batch=8, keys=65536)]),
     workload="mqa_decode_workload",
     tol=1e-4,
+    # FP8 key caches (issue 38): a compile-time option on the entry's tiles (_decode_limits counts their FP8 tile)
+    variants=lambda spec: [{"kv_dtype": kv} for kv in FP8_KV],
 )
