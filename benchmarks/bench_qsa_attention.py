@@ -12,7 +12,7 @@ causal 4-token blocks at random, in random order, expanded to 2048 tokens, then 
                            block_indices hint; the gate per head and none (the gate's cost)
 
   python benchmarks/bench_qsa_attention.py [--cases ...] [--upstream .gpu/upstream] [--extra] [--sweep [16/2 ...]]
-  python benchmarks/bench_qsa_attention.py --variants main=old_sparse_warp.py new=-
+  python benchmarks/bench_qsa_attention.py --variants main=old_sparse_warp.py new=- [--variant-splits 1 2]
 
 Every time is one call per CUDA-graph replay with L2 flushed before each (triton's do_bench median,
 `cold_us`). Each implementation's output is first checked against mate's reference backend (relative L2
@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
                     help="the small-CTA family at these tiles (default: every pair of its space), each at several split counts")
     ap.add_argument("--no-hbm-pools", action="store_true", help="rows 64 / 256 on small pools (a quick report)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
+    ap.add_argument("--variant-splits", nargs="*", type=int, default=[], metavar="N",
+                    help="with --variants: also time each variant at these split counts (NAME/sN)")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
     args = ap.parse_args(argv)
     if args.sweep == []:
@@ -173,9 +175,11 @@ def main(argv=None) -> dict:
                     ref = mate.qsa_sparse_attention(**q, backend="reference")
                     for name in sources:
                         use(name)
-                        call = lambda: mate.qsa_sparse_attention(**q)  # noqa: E731
-                        checked(f"{label} {name}", call, ref)
-                        res["us"][name] = cold_graph_us(call)
+                        for s in [None, *args.variant_splits]:
+                            call = lambda s=s: mate.qsa_sparse_attention(**q, num_splits=s)  # noqa: E731
+                            key = name if s is None else f"{name}/s{s}"
+                            checked(f"{label} {key}", call, ref)
+                            res["us"][key] = cold_graph_us(call)
                     print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items()), flush=True)
             else:
                 res = time_case(label, q, hint if case == "prefill" else None, args, upstream)

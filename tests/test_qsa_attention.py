@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mate
+from mate import _hopper
 from inputs import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 # ---------------------------------------------------------------- naive oracle
@@ -629,6 +630,23 @@ def test_small_cta_family_from_half_a_wave_of_row_heads():
     assert [family(n, 132) for n in (2, 16, 66, 67, 128, 512, 8192)] == ["wgmma"] * 3 + ["warp"] * 4
 
 
+def test_small_cta_family_only_on_caches_its_int32_offsets_reach():
+    """warp_offsets_fit on meta views (no memory): a row offset of 2^31 x 8 elements or more leaves the small-CTA
+    family, whichever dim or stride makes it; an empty view fits."""
+    from mate.qsa.attention import warp_offsets_fit
+
+    def view(shape, stride):
+        return torch.empty(1, device="meta", dtype=torch.bfloat16).as_strided(shape, stride)
+
+    page = 64 * 2 * 256  # elements of one [64, 2, 256] page
+    last = 2**34 // page  # pages below 2^34 elements: the last row starts 512 elements short of 2^34
+    fits, too_far = view((last, 64, 2, 256), (page, 512, 256, 1)), view((last + 1, 64, 2, 256), (page, 512, 256, 1))
+    assert warp_offsets_fit(fits, fits) and not warp_offsets_fit(fits, too_far) and not warp_offsets_fit(too_far, fits)
+    assert not warp_offsets_fit(view((2, 64, 2, 256), (2**34, 512, 256, 1)))  # a page stride alone
+    assert warp_offsets_fit(view((0, 64, 2, 256), (page, 512, 256, 1)))
+
+
+
 def test_small_cta_splits_fill_one_wave():
     """warp_splits on 132 SMs at 4 resident CTAs, 129 tiles (2051 tokens of 16): one wave of splits, 2 for a gated
     call past it (the merge gates; the program's own gate epilogue measured slower), never more splits than tiles."""
@@ -638,9 +656,10 @@ def test_small_cta_splits_fill_one_wave():
     assert [warp_splits(n, 129, 132, 4, True) for n in (2, 16, 128, 512, 8192)] == [129, 33, 4, 2, 2]
     assert [warp_splits(n, 129, 132, 4, False) for n in (128, 512, 8192)] == [4, 1, 1]
     assert warp_splits(2, 3, 132, 4, False) == 3
-    # the shipped 16-token, 2-stage ring: 46080 B of shared memory (ptxas: 40960 dynamic + 5120 static), 4 CTAs an SM
+    # the shipped 16-token, 2-stage ring: 44032 B of shared memory (ptxas: 40960 dynamic + 3072 static), 5 CTAs an SM
     tiles = dict(block_n=16, num_stages=2)
-    assert sparse_card.warp_attention_smem({"dtype": "bfloat16"}, tiles) == 46080
+    assert sparse_card.warp_attention_smem({"dtype": "bfloat16"}, tiles) == 44032
+    assert _hopper.SMEM_PER_SM // (44032 + _hopper.SMEM_RESERVED_PER_CTA) == 5
     assert sparse_card.WARP_ATTENTION.limits({"dtype": "bfloat16", "split": 1}, tiles) is None
     assert "outlive" in sparse_card.WARP_ATTENTION.limits({"dtype": "bfloat16", "split": 1}, dict(block_n=64, num_stages=4))
 

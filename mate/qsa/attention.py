@@ -572,6 +572,13 @@ def family(rows_x_heads: int, sms: int) -> str:
     return "warp" if rows_x_heads > sms // 2 else "wgmma"
 
 
+def warp_offsets_fit(*caches: torch.Tensor) -> bool:
+    """Whether the small-CTA program can address every row of these K/V views: it keeps row offsets as int32
+    counts of 8 elements (their ring in shared memory at half the bytes is what fits a fifth CTA an SM), so a
+    view reaching 2^31 x 8 elements (32 GiB of BF16) or past runs on the wgmma family instead."""
+    return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) // 8 < 2**31 for t in caches)
+
+
 def native(p: Problem):
     r = p.rows
     dev = p.query.device
@@ -610,7 +617,7 @@ def native(p: Problem):
         return result
     dtype = str(p.query.dtype).removeprefix("torch.")
     cluster = 0
-    if family(rows * hkv, sms) == "warp":
+    if family(rows * hkv, sms) == "warp" and warp_offsets_fit(k4, v4):
         # the split entry's tiles size the splits; a call left with one split runs the unsplit entry
         wt = _dispatch.tiles(WARP_ATTENTION.name, {"dtype": dtype, "split": 1}, r.target)
         num_splits = p.num_splits

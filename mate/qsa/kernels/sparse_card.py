@@ -59,10 +59,10 @@ WARP_HEADS = 16  # the small-CTA program's MMA M: a group of up to 16 heads, zer
 
 def warp_attention_smem(spec: dict, t: dict) -> int:
     """Shared memory of one small-CTA program (mate.qsa.kernels.sparse_warp): the Q tile, the K/V ring, two
-    decoded chunks' K and V row offsets (int64), two counts and TileLang's 1 KB of static reduction scratch
-    (ptxas: 5120 bytes of static shared memory beside the dynamic Q tile and ring)."""
+    decoded chunks' K and V row offsets (int32), two counts and TileLang's 1 KB of static reduction scratch
+    (ptxas: 3072 bytes of static shared memory beside the dynamic Q tile and ring)."""
     bn, ns = t["block_n"], t["num_stages"]
-    return itemsize(spec["dtype"]) * (WARP_HEADS * DIM + 2 * ns * bn * DIM) + 2 * 2 * WARP_CHUNK * 8 + 1024
+    return itemsize(spec["dtype"]) * (WARP_HEADS * DIM + 2 * ns * bn * DIM) + 2 * 2 * WARP_CHUNK * 4 + 1024
 
 
 WARP_CHUNK = 128  # token slots the small-CTA program decodes at a time (mate.qsa.kernels.sparse_warp.CHUNK)
