@@ -12,7 +12,7 @@ the issue's measurement: one call per CUDA-graph replay with L2 flushed before e
 - mate topk: qsa_topk_blocks; mate topk + expand: qsa_topk_blocks then qsa_expand_blocks (two kernels);
 - mate fused: qsa_topk_tokens (one kernel).
 
---sweep times other qsa_topk tiles (threads, min_blocks) for the rows' key, fused call, through a patched config.
+--sweep times other qsa_topk tiles (threads, min_blocks, sort_mult) for the rows' key, fused call, through a patched config.
 --variants NAME=FILE ... times other versions of mate/qsa/kernels/topk.py (`-`: the shipped one; same program
 signatures; overrides.program_variants) in turn on the fused call, each checked (a probe that leaves out a
 phase is timed though wrong).
@@ -33,9 +33,10 @@ from mate.tuning.measure import using_tiles
 from mate.tuning.workloads import indexer_like_scores
 
 REPORT = dict(stage="qsa_topk", quick=["--rows", "1", "64", "256", "4096"], full=["--rows", "1", "64", "256", "4096", "8192"])
-SWEEP = {0: [dict(threads=1024, min_blocks=1), dict(threads=512, min_blocks=1), dict(threads=256, min_blocks=1)],
-         1: [dict(threads=256, min_blocks=4), dict(threads=512, min_blocks=2), dict(threads=1024, min_blocks=1),
-             dict(threads=256, min_blocks=2)]}
+# (threads, min_blocks, sort_mult): sort_mult 2 sorts twice k's power of two (fewer radix rounds), 1 k's power
+SWEEP = {0: [dict(threads=t, min_blocks=1, sort_mult=m) for t, m in [(1024, 2), (1024, 1), (512, 2), (512, 1)]],
+         1: [dict(threads=t, min_blocks=b, sort_mult=m) for t, b, m in [(256, 4, 2), (256, 4, 1), (512, 2, 2), (512, 2, 1),
+                                                                        (1024, 1, 2)]]}
 
 
 def torch_select(scores, k, pos, block_size=4):

@@ -545,7 +545,10 @@ def assert_matches(got: tuple, want: tuple, tol: float) -> None:
 
 def bitwise_equal(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(
-        # reshape(-1): a "contiguous" tensor may have any stride on a size-1 dim (GQA decode's LSE at one row)
-        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        # reshape(-1): a "contiguous" tensor may have any stride on a size-1 dim (GQA decode's LSE at one row);
+        # contiguous(): a strided out buffer (qsa_topk_blocks_out's every other column) flattens to a view of
+        # stride 2, which cannot be viewed as bytes
+        x.shape == y.shape and x.dtype == y.dtype
+        and torch.equal(x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8))
         for x, y in zip(a, b)
     )

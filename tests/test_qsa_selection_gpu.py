@@ -34,12 +34,19 @@ def draw(gen, rows, keys, kind):
     elif kind == "few":
         s[torch.rand(rows, keys, generator=gen) < 0.97] = -INF  # about 3% selectable: fewer than k in long rows
         s[0] = float("nan")
+    elif kind == "some":
+        # about 9% selectable: at 8192 keys and k 512, more than k but fewer than the sort's twice k's power of
+        # two (the sort takes every valid key, no radix round)
+        s[torch.rand(rows, keys, generator=gen) < 0.91] = -INF
     return s.cuda()
 
 
+# every key bucket, narrow and wide (more rows than the H200's 132 multiprocessors), and each power of two of k
+# (the sort's size is compile-time: 32 .. 2048)
 SHAPES = [(1, 8192, 512), (64, 8192, 512), (300, 8192, 512), (5, 100, 100), (3, 8192, 1), (140, 5000, 2048),
-          (7, 16384, 2048), (200, 12000, 333), (5, 30000, 1000), (2, 49152, 2048)]
-KINDS = ["normal", "ties", "equal", "indexer", "hostile", "few"]
+          (7, 16384, 2048), (200, 12000, 333), (5, 30000, 1000), (2, 49152, 2048), (9, 8192, 40), (150, 8192, 200),
+          (140, 40000, 1024)]
+KINDS = ["normal", "ties", "equal", "indexer", "hostile", "few", "some"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,12 +23,10 @@ import torch
 from mate import _checks as C
 from mate import _dispatch
 from mate.qsa import reference
-from mate.qsa.kernels.topk_card import KEY_BUCKETS, MAX_K
+from mate.qsa.kernels.topk_card import KEY_BUCKETS, MAX_K, kpow_of
 
 TOPK = _dispatch.STAGES["qsa_topk"]
 EXPAND = _dispatch.STAGES["qsa_expand"]
-
-
 
 
 def qsa_topk_blocks(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None, backend: str = "tilelang") -> torch.Tensor:
@@ -152,8 +150,9 @@ def _native(p: SelectProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Without the expansion the kernel reads no position and writes no token: views of the ids stand in
         # for those buffers (no placeholder tensor to keep across calls).
         positions = blocks[:, 0] if tokens is None else p.query_positions
-        _dispatch.kernel(TOPK.name, p.spec, p.target)(p.scores, blocks, positions, blocks if tokens is None else tokens,
-                                                      p.block_size, int(tokens is not None))
+        # the sort's size is compile-time, k rounded up to a power of two: every k of one power shares a kernel
+        program = _dispatch.kernel(TOPK.name, p.spec, p.target, kpow=kpow_of(p.k))
+        program(p.scores, blocks, positions, blocks if tokens is None else tokens, p.block_size, int(tokens is not None))
     return blocks, tokens
 
 
