@@ -552,14 +552,22 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g, stand_in)
 
 
-def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int, gated: bool) -> int:
+def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     """SplitKV count of the small-CTA family for `num_splits=None`: the most splits whose grid still fits one
     wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split without a tile;
-    past one wave of the grid alone, none, or 2 for a gated call: the merge kernel gates faster than the
-    program's own epilogue (H200, issue 37's inputs, per-element gate: prefill 4358 us in one split, 3020 in
-    two, 2762 ungated in one; decode rows 256 329 / 294 / 270 us;
+    past one wave, 1 or 2 splits, whichever ends in the smaller partial last wave (measured in one split's CTA
+    time), 1 on a tie: the merge's extra pass is paid only where it shortens the tail.
+
+    H200, issue 37's inputs, per-element gate, cold graph, us (1 / 2 splits; the count this picks first):
+    rows 64 (128 row-heads, 5 fit a wave) 186.5 / 104.4, 5 splits 99.4; rows 256 (512 row-heads: 1 or 2 full
+    waves) 281.9 / 306.8; prefill (8192 row-heads: 13 waves in one split, 12.5 in two) 2410 / 2460 (after the
+    gate epilogue lost its branches; before it two splits won everywhere past a wave,
     benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md)."""
-    return max(2 if gated else 1, min(tiles, resident * sms // max(1, rows_x_heads)))
+    wave = resident * sms
+    if rows_x_heads <= wave:
+        return max(1, min(tiles, wave // max(1, rows_x_heads)))
+    waves = lambda s: -(-rows_x_heads * s // wave) / s  # noqa: E731
+    return 2 if tiles >= 2 and waves(2) < waves(1) else 1
 
 
 def family(rows_x_heads: int, sms: int) -> str:
@@ -567,7 +575,8 @@ def family(rows_x_heads: int, sms: int) -> str:
     (mate.qsa.kernels.sparse, warp-specialized, with cluster launches for decode).
 
     H200, issue 37's inputs, cold graph, us (wgmma / warp at the count warp_splits picks): rows 1 16.2 / 29.6,
-    rows 8 25.2 / 33.0; rows 64 (128 row-heads) 102.7 / 95.7, rows 256 302.3 / 293.8, prefill 3324 / 3020.
+    rows 8 25.2 / 33.0 (the warp program of 2026-12-04 noon); rows 64 (128 row-heads) 101.8 / 99.2, rows 256
+    302.4 / 285.2, prefill 3370 / 2452 (its evening version, one run).
     So small CTAs from half a wave of row-heads on (between 16 and 128 row-heads nothing was measured)."""
     return "warp" if rows_x_heads > sms // 2 else "wgmma"
 
@@ -623,8 +632,7 @@ def native(p: Problem):
         num_splits = p.num_splits
         if num_splits is None:
             resident = _hopper.SMEM_PER_SM // (sparse_card.warp_attention_smem({"dtype": dtype}, wt) + _hopper.SMEM_RESERVED_PER_CTA)
-            num_splits = 1 if p.kv_layout == "padded" else warp_splits(rows * hkv, -(-width // wt["block_n"]), sms, resident,
-                                                                        r.gate is not None)
+            num_splits = 1 if p.kv_layout == "padded" else warp_splits(rows * hkv, -(-width // wt["block_n"]), sms, resident)
         tile = wt["block_n"]
         per_split, splits = split_tiles(-(-width // tile), num_splits)
         spec = {"dtype": dtype, "split": int(splits > 1)}
