@@ -21,8 +21,9 @@ FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
 --options times issue 17's options instead (D 128, BF16, H 64/8): sinks, softcap and both
 against the plain kernel at 16k (dense causal and window (4096, 0)), and varlen 16 x 1024 causal
 against the padded [16, 1024] call, cuDNN SDPA on the padded batch and FlexAttention with a
-document mask on the packed one. FlashAttention-3 (the fa3-fwd wheel) cannot travel to the GPU
-beside TileLang's bundle, so it is not in these runs.
+document mask on the packed one. FlashAttention-3 is not in these runs (its fa3-fwd wheel, 27 MB, fits beside
+scripts/gpu-bundle.sh's 34 MB bundle since 2026-12-04; benchmarks/experiments/sustained.py --impls mate fa3 times
+both in one process).
 
 --decode times issue 17's decode instead (BF16, H 64/8, D of --dims): 64 sequences of --rows query rows (1, 4, 8)
 against 8192 keys each in a paged cache (pages of 16 and 64 in random order), dense causal and window

@@ -4,7 +4,7 @@
 # The GPU host has Python 3.12, PyTorch and Triton, but not TileLang. This script
 # downloads TileLang, the packages it needs that such a host lacks and ruamel.yaml
 # (mate-tune's config write-back), unpacks
-# them into one folder and packs it as .gpu/site.tar.xz (about 53 MB) in the
+# them into one folder and packs it as .gpu/site.tar.xz (about 34 MB, see below) in the
 # current repository root. It also adds /.gpu/ to .git/info/exclude.
 #
 # On the GPU host:
@@ -32,6 +32,18 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "${plat[@]}" -d "$work/wheels" "${pkgs[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
 mkdir -p "$work/site"
 for w in "$work"/wheels/*.whl; do python3 -m zipfile -e "$w" "$work/site"; done
+# Left out, so that the bundle travels beside the 27 MB FlashAttention-3 wheel within a call's 64 MiB (53 -> 34 MB):
+# what TileLang never reads on a CUDA host at run time: z3's executable and C headers (libtvm_compiler links
+# libz3.so.4.15 alone; the wheel's zip holds the library twice, so one name becomes a link to the other), the
+# C++ sources TVM and TileLang were built from (the JIT compiles against tilelang/src/tl_templates, CUTLASS's
+# and TVM's include folders, which stay), CUTLASS's tools, tvm_ffi's vendored third-party sources.
+# (tvm_ffi's core loads libtvm_ffi_testing.so at import: it stays.)
+site="$work/site"
+rm -rf "$site"/z3_solver-*.data "$site/z3/include" "$site/tilelang/3rdparty/tvm/src" "$site/tilelang/3rdparty/cutlass/tools" \
+  "$site/tvm_ffi/3rdparty"
+find "$site/tilelang/src" -name '*.cc' -delete
+ln -sf libz3.so.4.15 "$site/z3/lib/libz3.so"
+strip --strip-unneeded "$site/z3/lib/libz3.so.4.15"
 mkdir -p "$root/.gpu"
-tar cf - -C "$work/site" . | xz -T0 -6 > "$out.tmp" && mv "$out.tmp" "$out"
+tar cf - -C "$site" . | xz -T0 -9 > "$out.tmp" && mv "$out.tmp" "$out"
 echo "wrote ${out#$root/} ($(du -h "$out" | cut -f1))"
