@@ -62,3 +62,11 @@ def lse_keys_as_m(m_cur, l_sum, h, scale):
     """Head h's log-sum-exp (natural log) from the running max of the unscaled scores and the sum; -inf when
     nothing was visible."""
     return T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+
+
+def assume_aligned(*strides):
+    """The wrapper checks that these strides are multiples of 8 elements (16 bytes); telling the compiler gives
+    16-byte accesses (and TMA tensor maps, whose strides must be multiples of 16 bytes)."""
+    # A plain function, not a macro: a macro would bind each stride to its parameter's name, renaming it.
+    for s in strides:
+        T.evaluate(T.assume(s % 8 == 0))

@@ -123,6 +123,18 @@ mqa_decode = _mqa_decode()
 # ---------------------------------------------------------------- NSA selection
 
 
+def _nsa_problem(refresh, q, k, v, idx, out, lse, **kw):
+    """The native call writes the caller's out and lse buffers; the reference allocates its own."""
+
+    def call(backend):
+        if backend == "reference":
+            return mate.nsa_selection_attention(q, k, v, idx, **kw, backend=backend)
+        return mate.nsa_selection_attention(q, k, v, idx, **kw, out=out, lse=lse)
+
+    refresh()
+    return Problem(call, refresh)
+
+
 def nsa_selection(device, gen):
     B, M, N, G, hpg, D, T, bs = 2, 37, 150, 2, 3, 64, 6, 32
     q = tail_view(gen, (B, M, G * hpg, D), device=device, pad_cols=8)
@@ -138,13 +150,7 @@ def nsa_selection(device, gen):
         counts.copy_(randint(gen, -1, T + 2, (B, M, G), device))
         q.copy_(randn(gen, *q.shape, device=device))
 
-    def call(backend):
-        if backend == "reference":
-            return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, block_counts=counts, backend=backend)
-        return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, block_counts=counts, out=out, lse=lse)
-
-    refresh()
-    return Problem(call, refresh)
+    return _nsa_problem(refresh, q, k, v, idx, out, lse, block_size=bs, block_counts=counts)
 
 
 def nsa_packed(device, gen):
@@ -163,13 +169,7 @@ def nsa_packed(device, gen):
         idx.copy_(torch.cat([nsa_indices(gen, 1, n, G, T, n, bs)[0] for n in lens if n]).to(device))
         q.copy_(randn(gen, *q.shape, device=device))
 
-    def call(backend):
-        if backend == "reference":
-            return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, backend=backend)
-        return mate.nsa_selection_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, out=out, lse=lse)
-
-    refresh()
-    return Problem(call, refresh)
+    return _nsa_problem(refresh, q, k, v, idx, out, lse, block_size=bs, cu_seqlens=cu)
 
 
 # ---------------------------------------------------------------- GQA

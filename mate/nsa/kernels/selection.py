@@ -57,7 +57,8 @@ deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them 
 import tilelang.language as T
 
 from mate._tl import (
-    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+    FENCE_SOURCE, alloc_softmax_keys_as_m, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m,
+    softmax_step_keys_as_m,
 )
 from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
 
@@ -71,6 +72,37 @@ CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own 
 # 1 KB of it reserved per CTA). "Aggressive" merging would alias the softmax's max-reduction scratch with Ps,
 # a race: TileLang's AllReduce has no barrier after its last read of the scratch.
 PASS_CONFIGS = (("tl.disable_thread_storage_sync", True),)
+
+
+def _tiles_per_block(block_size, threads):
+    """Selected blocks a 64-key tile holds (the MMA tiles are sized for one consumer warpgroup)."""
+    assert TILE_KEYS % block_size == 0, "block_size must divide 64"
+    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
+    return TILE_KEYS // block_size
+
+
+@T.macro
+def _kernel_prologue(min_blocks):
+    """The fence's source and the CTAs-per-SM cap of the NSA programs; the thread index."""
+    T.import_source(FENCE_SOURCE)
+    # Several CTAs per multiprocessor keep more gathered blocks in flight than one CTA's
+    # pipeline can: cap registers for that instead of the producer/consumer reallocation.
+    T.annotate_min_blocks_per_sm(min_blocks)
+    return T.get_thread_binding()
+
+
+def _alloc_ring_state(num_stages, threads):
+    """The compacted list of used blocks and its count, then per stage: K, V landed (one arrival by the
+    issuing lane plus the TMA bytes); K, V consumed (the consumer's 128 threads)."""
+    # Static shared memory: never aliased with the dynamic pool (reduction workspaces),
+    # which matters because the producer and consumer warps read it at different times.
+    blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
+    used = T.alloc_shared((1,), "int32", scope="shared")
+    k_full = T.alloc_barrier([1] * num_stages)
+    v_full = T.alloc_barrier([1] * num_stages)
+    k_empty = T.alloc_barrier([threads] * num_stages)
+    v_empty = T.alloc_barrier([threads] * num_stages)
+    return blocks, used, k_full, v_full, k_empty, v_empty
 
 
 @T.macro
@@ -93,6 +125,36 @@ def _tile_load(src, dst, empty, full, st, phase, b, g, n0, n1, block_size, per_t
         _tile_copy(src, dst, full, st, b, g, n0, n1, 64, block_size, per_tile)
     if T.shuffle_elect(32):
         T.barrier_arrive(full[st])
+
+
+@T.macro
+def _produce(K, V, Ks, Vs, blocks, k_full, v_full, k_empty, v_empty, n_tiles, n_used, key_base, bb, bg, num_stages, block_size,
+             per_tile, dim):
+    """The producer warp's loop: each used tile's K and V rows (sequence rows from key_base) into the ring."""
+    for it in T.serial(n_tiles):
+        st = it % num_stages
+        # A 64-key tile is one block (block_size 64) or two (block_size 32; an odd last
+        # block pairs with a masked repeat of a valid one).
+        n0 = key_base + blocks[it * per_tile] * block_size
+        n1 = key_base + blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
+        _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
+        _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
+
+
+@T.macro
+def _tile_key(blocks, it, k, n_used, block_size, per_tile):
+    """Row k of tile `it`: its slot in the compacted list (>= n_used: a masked repeat) and its key's position."""
+    slot = it * per_tile + k // block_size
+    n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+    return slot, n
+
+
+@T.macro
+def _landed_product(full, tiles, rhs, out, st, it, num_stages):
+    """Once stage st of a ring has landed: out = tiles[st] . rhs^T (the keys on the MMA's M)."""
+    T.barrier_wait(full[st], (it // num_stages) & 1)
+    fence()
+    T.gemm(tiles[st, :, :], rhs, out, transpose_B=True, clear_accum=True)
 
 
 @T.macro
@@ -134,8 +196,7 @@ def _zero_masked_v(Vs, blocks, masked, st, it, n_used, pos, block_size, per_tile
     # the proxy fence that orders them before the wgmma's reads, and a consumer barrier.
     if masked != 0:
         for k, d in T.Parallel(TILE_KEYS, dim):
-            slot = it * per_tile + k // block_size
-            n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+            slot, n = _tile_key(blocks, it, k, n_used, block_size, per_tile)
             if (slot >= n_used) | (n > pos):
                 Vs[st, k, d] = T.cast(0, dtype)
         T.fence_proxy_async()
@@ -150,14 +211,11 @@ def _attend_tile(Ks, Vs, Qs, Ps, blocks, k_full, v_full, k_empty, v_empty, S, ro
     # Read here, off the path from the V load's arrival to the P.V wgmma: on the H200 that path was 2.4%
     # of the seed shape's time (benchmarks/results/NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md).
     masked = _masked_tile(blocks, it, n_used, pos, block_size, per_tile)
-    T.barrier_wait(k_full[st], (it // num_stages) & 1)
-    fence()
-    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
+    _landed_product(k_full, Ks, Qs, S, st, it, num_stages)
     fence()
     T.barrier_arrive(k_empty[st])
     for k, h in T.Parallel(TILE_KEYS, head_tile):
-        slot = it * per_tile + k // block_size
-        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+        slot, n = _tile_key(blocks, it, k, n_used, block_size, per_tile)
         S[k, h] = T.if_then_else((slot < n_used) & (n <= pos), S[k, h], NEG_INF)
     softmax_step_keys_as_m(S, m_cur, m_prev, alpha, rowsum, scale_log2, TILE_KEYS, head_tile)
     publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
@@ -187,9 +245,7 @@ def _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, h
 
 
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
-    assert TILE_KEYS % block_size == 0, "block_size must divide 64"
-    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
-    per_tile = TILE_KEYS // block_size
+    per_tile = _tiles_per_block(block_size, threads)
     B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
         "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
@@ -212,33 +268,14 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
     ):
         # A producer warpgroup (of which warp 0 works) and the consumer warpgroup.
         with T.Kernel(M, G, B, threads=2 * threads) as (bm, bg, bb):
-            T.import_source(FENCE_SOURCE)
-            # Several CTAs per multiprocessor keep more gathered blocks in flight than one CTA's
-            # pipeline can: cap registers for that instead of the producer/consumer reallocation.
-            T.annotate_min_blocks_per_sm(min_blocks)
-            tx = T.get_thread_binding()
+            tx = _kernel_prologue(min_blocks)
             Qs = T.alloc_shared((head_tile, dim), dtype)
             Ks = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
             Vs = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
             Ps = T.alloc_shared((TILE_KEYS, head_tile), dtype)
-            # Static shared memory: never aliased with the dynamic pool (reduction workspaces),
-            # which matters because the producer and consumer warps read it at different times.
-            blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
-            used = T.alloc_shared((1,), "int32", scope="shared")
-            # Per stage: K, V landed (one arrival by the issuing lane plus the TMA bytes); K, V consumed
-            # (the consumer's 128 threads).
-            k_full = T.alloc_barrier([1] * num_stages)
-            v_full = T.alloc_barrier([1] * num_stages)
-            k_empty = T.alloc_barrier([threads] * num_stages)
-            v_empty = T.alloc_barrier([threads] * num_stages)
+            blocks, used, k_full, v_full, k_empty, v_empty = _alloc_ring_state(num_stages, threads)
             S, rowsum, P, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE_KEYS, head_tile, dim, dtype)
-            # The wrapper checks the layout rule on Q and O; telling the compiler gives 16-byte accesses.
-            T.assume(sqb % 8 == 0)
-            T.assume(sqm % 8 == 0)
-            T.assume(sqh % 8 == 0)
-            T.assume(sob % 8 == 0)
-            T.assume(som % 8 == 0)
-            T.assume(soh % 8 == 0)
+            assume_aligned(sqb, sqm, sqh, sob, som, soh)  # the layout rule on Q and O
 
             # Bottom-right aligned causal position of this query; packed sequences (varlen, B = 1): its index
             # in its sequence, whose keys start at row ST[bm].
@@ -264,14 +301,8 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
                 # the empty barriers held in step by nothing; one that fell a ring behind would take
                 # a barrier whose parity flipped twice for not done and wait forever at the end.
                 if tx < 32:
-                    for it in T.serial(n_tiles):
-                        st = it % num_stages
-                        # A 64-key tile is one block (block_size 64) or two (block_size 32; an odd last
-                        # block pairs with a masked repeat of a valid one).
-                        n0 = key_base + blocks[it * per_tile] * block_size
-                        n1 = key_base + blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
-                        _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
-                        _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, bb, bg, n0, n1, block_size, per_tile, dim)
+                    _produce(K, V, Ks, Vs, blocks, k_full, v_full, k_empty, v_empty, n_tiles, n_used, key_base, bb, bg, num_stages,
+                             block_size, per_tile, dim)
             else:
                 # ---------------- consumer: S^T = K Q^T, online softmax, O^T += V^T P^T
                 T.fill(acc, 0)

@@ -43,12 +43,13 @@ programs place their own barriers, see the forward's PASS_CONFIGS).
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence
+from mate._tl import assume_aligned, fence
 from mate.nsa.kernels.selection import (  # noqa: F401
-    CONSUMER_BARRIER, PASS_CONFIGS, _compact_blocks, _masked_tile, _tile_load, _zero_masked_v,
+    CONSUMER_BARRIER, PASS_CONFIGS, _alloc_ring_state, _compact_blocks, _kernel_prologue, _landed_product, _masked_tile,
+    _produce, _tile_key, _tiles_per_block, _zero_masked_v,
 )
 from mate.nsa.kernels.selection_bwd_card import CONSUMER_REGS, PRODUCER_REGS
-from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
+from mate.nsa.kernels.selection_card import TILE_KEYS
 
 LOG2E = 1.4426950408889634
 INF = T.infinity("float32")
@@ -74,17 +75,12 @@ def _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty,
              scale_log2, num_stages, block_size, per_tile, dim, head_tile, threads, dtype):
     """One tile of the dq consumer: S^T and dP^T, dS^T (masked keys 0), dq^T += K^T dS^T."""
     st = it % num_stages
-    T.barrier_wait(k_full[st], (it // num_stages) & 1)
-    fence()
-    T.gemm(Ks[st, :, :], Qs, S, transpose_B=True, clear_accum=True)
-    T.barrier_wait(v_full[st], (it // num_stages) & 1)
-    fence()
-    T.gemm(Vs[st, :, :], dOs, dP, transpose_B=True, clear_accum=True)
+    _landed_product(k_full, Ks, Qs, S, st, it, num_stages)
+    _landed_product(v_full, Vs, dOs, dP, st, it, num_stages)
     fence()
     T.barrier_arrive(v_empty[st])
     for k, h in T.Parallel(TILE_KEYS, head_tile):
-        slot = it * per_tile + k // block_size
-        n = blocks[T.min(slot, n_used - 1)] * block_size + k % block_size
+        slot, n = _tile_key(blocks, it, k, n_used, block_size, per_tile)
         p = T.exp2(S[k, h] * scale_log2 - lse2[h])
         dS[k, h] = T.cast(T.if_then_else((slot < n_used) & (n <= pos), p * (dP[k, h] - delta[h]), 0), dtype)
     T.copy(dS, dSs)
@@ -99,9 +95,7 @@ def _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty,
 
 
 def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
-    assert TILE_KEYS % block_size == 0, "block_size must divide 64"
-    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
-    per_tile = TILE_KEYS // block_size
+    per_tile = _tiles_per_block(block_size, threads)
     TQ, TK, H, G, TT = T.dynamic("TQ TK H G TT")
     (skb, svb, sq0, sq1, so0, so1, sd0, sd1, sk0, sk1, sv0, sv1, sib, si0, si1, si2, scb, sc0, sc1, sl0, sl1, sg0, sg1) = T.dynamic(
         "skb svb sq0 sq1 so0 so1 sd0 sd1 sk0 sk1 sv0 sv1 sib si0 si1 si2 scb sc0 sc1 sl0 sl1 sg0 sg1", "int64")
@@ -126,9 +120,7 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
     ):
         # A producer warpgroup (of which warp 0 works) and the consumer warpgroup, as the forward.
         with T.Kernel(TQ, G, threads=2 * threads) as (bq, bg):
-            T.import_source(FENCE_SOURCE)
-            T.annotate_min_blocks_per_sm(min_blocks)
-            tx = T.get_thread_binding()
+            tx = _kernel_prologue(min_blocks)
             Qs = T.alloc_shared((head_tile, dim), dtype)
             dOs = T.alloc_shared((head_tile, dim), dtype)
             Ks = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
@@ -136,29 +128,17 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
             dSs = T.alloc_shared((TILE_KEYS, head_tile), dtype)
             lse2 = T.alloc_shared((head_tile,), "float32")
             delta = T.alloc_shared((head_tile,), "float32")
-            blocks = T.alloc_shared((MAX_SLOTS,), "int32", scope="shared")
-            used = T.alloc_shared((1,), "int32", scope="shared")
-            k_full = T.alloc_barrier([1] * num_stages)
-            v_full = T.alloc_barrier([1] * num_stages)
-            k_empty = T.alloc_barrier([threads] * num_stages)
-            v_empty = T.alloc_barrier([threads] * num_stages)
+            blocks, used, k_full, v_full, k_empty, v_empty = _alloc_ring_state(num_stages, threads)
             od = T.alloc_fragment((head_tile, dim), "float32")
             dlt = T.alloc_fragment((head_tile,), "float32")
             S = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             dP = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             dS = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
             dqT = T.alloc_fragment((dim, head_tile), "float32")
-            T.assume(sq0 % 8 == 0)
-            T.assume(sq1 % 8 == 0)
-            T.assume(sd0 % 8 == 0)
-            T.assume(sd1 % 8 == 0)
-            T.assume(sg0 % 8 == 0)
-            T.assume(sg1 % 8 == 0)
-            T.assume(so0 % 8 == 0)
-            T.assume(so1 % 8 == 0)
+            assume_aligned(sq0, sq1, sd0, sd1, sg0, sg1, so0, so1)
 
             pos = POS[bq]
-            kb = KB[bq]
+            key_base = KB[bq]
             last_block = T.if_then_else(pos >= 0, pos // block_size, -1)
             slots = T.min(T.if_then_else(use_counts != 0, T.max(BC[0, bq, bg], 0), TT), TT)
             h0 = bg * group_heads
@@ -175,12 +155,8 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
 
             if tx < threads:
                 if tx < 32:  # warp 0 alone (see the forward)
-                    for it in T.serial(n_tiles):
-                        st = it % num_stages
-                        n0 = kb + blocks[it * per_tile] * block_size
-                        n1 = kb + blocks[T.min(it * per_tile + 1, n_used - 1)] * block_size
-                        _tile_load(K, Ks, k_empty, k_full, st, (it // num_stages) & 1, 0, bg, n0, n1, block_size, per_tile, dim)
-                        _tile_load(V, Vs, v_empty, v_full, st, (it // num_stages) & 1, 0, bg, n0, n1, block_size, per_tile, dim)
+                    _produce(K, V, Ks, Vs, blocks, k_full, v_full, k_empty, v_empty, n_tiles, n_used, key_base, 0, bg, num_stages,
+                             block_size, per_tile, dim)
             else:
                 _delta_and_lse(O, DO, LSE, DELTA, od, dlt, delta, lse2, bq, h0, group_heads, head_tile, dim)
                 T.sync_threads(CONSUMER_BARRIER, threads)
@@ -266,8 +242,7 @@ def _dkv_step(Ks, Vs, Qs, dOs, Ps, dSs, lse2, delta, qlim, full, empty, S, dP, P
 
 
 def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, num_stages, min_blocks):
-    assert TILE_KEYS % block_size == 0, "block_size must divide 64"
-    assert threads == 128, "the MMA tiles are sized for one consumer warpgroup (threads=128)"
+    _tiles_per_block(block_size, threads)
     cols = queries * head_tile
     assert cols % 32 == 0, "the producer warp's lanes take the step's columns 32 at a time"
     TQ, TK, H, G, E, NSEG = T.dynamic("TQ TK H G E NSEG")
@@ -294,9 +269,7 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, n
         group_heads: T.int32,
     ):
         with T.Kernel(NSEG, G, threads=2 * threads) as (bs_, bg):
-            T.import_source(FENCE_SOURCE)
-            T.annotate_min_blocks_per_sm(min_blocks)
-            tx = T.get_thread_binding()
+            tx = _kernel_prologue(min_blocks)
             Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
             Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
             Qs = T.alloc_shared((num_stages, cols, dim), dtype)
@@ -314,12 +287,7 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, n
             dS = T.alloc_fragment((TILE_KEYS, cols), dtype)
             dK = T.alloc_fragment((TILE_KEYS, dim), "float32")
             dV = T.alloc_fragment((TILE_KEYS, dim), "float32")
-            T.assume(so0 % 8 == 0)
-            T.assume(so1 % 8 == 0)
-            T.assume(sk0 % 8 == 0)
-            T.assume(sk1 % 8 == 0)
-            T.assume(sv0 % 8 == 0)
-            T.assume(sv1 % 8 == 0)
+            assume_aligned(so0, so1, sk0, sk1, sv0, sv1)
 
             lo = LO[bg, bs_]
             n_entries = HI[bg, bs_] - lo
