@@ -23,8 +23,13 @@ DIR/vllm_qsa.py and DIR/sglang_qsa.py, copies of their sources, not in this repo
 `--sweep` also times the small-CTA family's tiles (block_n x num_stages) and split counts.
 `--variants NAME=FILE ...`: the same-run A/B of small-CTA programs (FILE: another version of
 mate/qsa/kernels/sparse_warp.py, `-` the shipped one).
+`--kv-dtype e4m3|e5m2 ...` (issue 38): each case's K/V quantized to that FP8 kind at k_scale 0.02 / v_scale 0.03
+(the issue's), timed as `mate <kind>` beside mate on the BF16 cache in the same run (and `mate <kind> tensor-scale`
+with the scales as device tensors); the FP8 output is checked against the reference on the same FP8 inputs, and
+its error against the BF16 call's reference (the quantization's own cost) is recorded as `vs_bf16`.
 
-Bytes = selected tokens that exist x 2 KV heads x 256 x 2 tensors x 2 bytes (the K/V rows gathered).
+Bytes = selected tokens that exist x 2 KV heads x 256 x 2 tensors x 2 bytes (the K/V rows gathered; 1 byte an
+element for FP8, in `fp8_gbytes`).
 """
 
 from __future__ import annotations
@@ -110,6 +115,40 @@ def time_case(label, p, hint, args, upstream):
     return res
 
 
+FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+K_SCALE, V_SCALE = 0.02, 0.03
+
+
+def time_fp8(label, p, kinds, splits=()) -> dict:
+    """One case on FP8 caches of each kind beside the BF16 cache: checked, then timed cold; with `splits`, the
+    float-scale call also at those split counts (`mate <kind>/s<n>`)."""
+    ref = mate.qsa_sparse_attention(**p, backend="reference")
+    res = dict(case=label, rows=p["query"].shape[0], gbytes=gbytes(p), fp8_gbytes=gbytes(p) / 2, us={}, rel_err={}, vs_bf16={})
+    res["rel_err"]["mate bf16"] = checked(f"{label} bf16", lambda: mate.qsa_sparse_attention(**p), ref)
+    res["us"]["mate bf16"] = cold_graph_us(lambda: mate.qsa_sparse_attention(**p))
+    for kind in kinds:
+        dt = FP8_KINDS[kind]
+        k8, v8 = (p["key"] / K_SCALE).to(dt), (p["value"] / V_SCALE).to(dt)
+        tensors = dict(k_scale=torch.tensor([K_SCALE], device="cuda"), v_scale=torch.tensor([V_SCALE], device="cuda"))
+        for name, scales in ((f"mate {kind}", dict(k_scale=K_SCALE, v_scale=V_SCALE)), (f"mate {kind} tensor-scale", tensors)):
+            p8 = dict(p, key=k8, value=v8, **scales)
+            ref8 = mate.qsa_sparse_attention(**p8, backend="reference")
+            call = lambda p8=p8: mate.qsa_sparse_attention(**p8)  # noqa: E731
+            res["rel_err"][name] = checked(f"{label} {name}", call, ref8)
+            res["vs_bf16"][name] = rel_err(call(), ref)
+            res["us"][name] = cold_graph_us(call)
+            for n in splits if "tensor" not in name else ():
+                call = lambda p8=p8, n=n: mate.qsa_sparse_attention(**p8, num_splits=n)  # noqa: E731
+                checked(f"{label} {name}/s{n}", call, ref8)
+                res["us"][f"{name}/s{n}"] = cold_graph_us(call)
+            del ref8
+        del k8, v8
+    res["tb_s"] = {k: (res["fp8_gbytes"] if k != "mate bf16" else res["gbytes"]) / v * 1e3 for k, v in res["us"].items()}
+    print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items())
+          + "; error vs the BF16 reference " + ", ".join(f"{k} {v:.1e}" for k, v in res["vs_bf16"].items()), flush=True)
+    return res
+
+
 def sweep(p, ref, pairs) -> dict:
     """The small-CTA family at each (block_n, num_stages) of `pairs` (both split keys) and split counts: cold us."""
     card = stage_card("qsa_attention_warp")
@@ -148,7 +187,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-hbm-pools", action="store_true", help="rows 64 / 256 on small pools (a quick report)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
     ap.add_argument("--variant-splits", nargs="*", type=int, default=[], metavar="N",
-                    help="with --variants: also time each variant at these split counts (NAME/sN)")
+                    help="with --variants (or --kv-dtype, decode cases): also time at these split counts (NAME/sN)")
+    ap.add_argument("--kv-dtype", nargs="*", default=[], choices=list(FP8_KINDS), help="FP8 caches of these kinds (issue 38)")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
     args = ap.parse_args(argv)
     if args.sweep == []:
@@ -169,7 +209,9 @@ def main(argv=None) -> dict:
         if args.extra and case == "decode256":
             labels.append(("decode256 shared 512-page pool", build(case, gen, 512)[0]))
         for label, q in labels:
-            if sources:
+            if args.kv_dtype:
+                res = time_fp8(label, q, args.kv_dtype, args.variant_splits if case.startswith("decode") else ())
+            elif sources:
                 with program_variants("qsa_attention_warp", sources) as use:
                     res = dict(case=label, us={})
                     ref = mate.qsa_sparse_attention(**q, backend="reference")

@@ -18,6 +18,9 @@ WGMMA_M = 64
 # forward and backward: a group is too few rows for M = 64, so keys are M): the group is zero-padded to
 # head_tile = 16 columns (N comes in multiples of 8), the one head_tile their search spaces hold.
 MAX_GROUP = 16
+# The FP8 KV caches the kernels read (issue 38), TileLang's names (torch's less "torch."): a compile-time option
+# of the programs that take them (mqa_decode, qsa_attention_warp), each entry's tiles with each kind.
+FP8_KV = ("float8_e4m3fn", "float8_e5m2")
 
 
 def itemsize(dtype: str) -> int:

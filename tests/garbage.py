@@ -101,8 +101,17 @@ def qsa_padded(dtype=BF16, hq=4, hkv=2, D=256):
     return make
 
 
-def qsa_paged(q_form="padded", splits=None, dtype=BF16, hq=4, hkv=2, D=256):
-    """Paged K/V: -1 and past-the-pool pages, pages no request owns, the unused tail of pages."""
+def _fp8_kv(k, v, kv_dtype, tensor_scale, kw):
+    """K/V as an FP8 cache (issue 38) with its scales in kw (floats, or FP32 tensors with tensor_scale); 16-bit as given."""
+    if kv_dtype is None:
+        return k, v
+    ks, vs = 0.02, 0.03
+    kw.update(k_scale=torch.tensor([ks], device=k.device) if tensor_scale else ks, v_scale=torch.tensor(vs, device=k.device) if tensor_scale else vs)
+    return (k / ks).to(kv_dtype), (v / vs).to(kv_dtype)
+
+
+def qsa_paged(q_form="padded", splits=None, dtype=BF16, hq=4, hkv=2, D=256, kv_dtype=None, tensor_scale=False):
+    """Paged K/V: -1 and past-the-pool pages, pages no request owns, the unused tail of pages; kv_dtype an FP8 cache."""
 
     def make(device, gen):
         B, Q, ps, maxp, pages, W = 3, 5, 4, 6, 20, 23
@@ -125,6 +134,7 @@ def qsa_paged(q_form="padded", splits=None, dtype=BF16, hq=4, hkv=2, D=256):
                         if 0 <= page < pages:
                             used[page, t % ps] = True
         kw = dict(block_table=table.to(device), seq_lens_k=sk.to(device), num_splits=splits)
+        k, v = _fp8_kv(k, v, kv_dtype, tensor_scale, kw)
         if q_form == "padded":
             qq, ii = q, idx.to(device)
         else:
@@ -144,7 +154,7 @@ def qsa_paged(q_form="padded", splits=None, dtype=BF16, hq=4, hkv=2, D=256):
     return make
 
 
-def qsa_physical(device, gen, hq=4, hkv=2, D=256):
+def qsa_physical(device, gen, hq=4, hkv=2, D=256, kv_dtype=None):
     R, N, W = 9, 50, 21
     q = randn(gen, R, hq, D, device=device)
     k = randn(gen, N, hkv, D, device=device)
@@ -157,9 +167,11 @@ def qsa_physical(device, gen, hq=4, hkv=2, D=256):
         if 0 <= i < N:
             used[i] = True
     ids = ids.to(device)
+    kw = {}
+    k, v = _fp8_kv(k, v, kv_dtype, True, kw)
 
     def call(backend):
-        return mate.qsa_sparse_attention(q, k, v, selected_kv_indices=ids, return_lse=True, backend=backend)
+        return mate.qsa_sparse_attention(q, k, v, selected_kv_indices=ids, **kw, return_lse=True, backend=backend)
 
     return Case(call, [(k, used), (v, used)])
 

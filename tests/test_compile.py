@@ -53,8 +53,9 @@ def test_lowers_or_compiles_for_sm90a(built, stage, key):
 
 
 
-# The MQA indexer decode's FP8 key caches (issue 38): compile-time variants of every mqa_decode entry, on its tiles.
-FP8_JOBS = precompile.variant_jobs([(s, k) for s, k in ENTRIES if s == "mqa_decode"], "sm90")
+# FP8 K/V caches (issue 38): compile-time variants of every mqa_decode and qsa_attention_warp entry, on its tiles.
+FP8_STAGES = {"mqa_decode": ("K8", "wgmma"), "qsa_attention_warp": ("Kr", "tl::mma_sync")}  # the FP8 tile's buffer, the MMA
+FP8_JOBS = precompile.variant_jobs([(s, k) for s, k in ENTRIES if s in FP8_STAGES], "sm90")
 # what the generated CUDA calls the cache's element type, and how it upcasts pairs of it into BF16 / FP16
 FP8_CUDA = {"float8_e4m3fn": ("fp8_e4_t", "e4m3", "__NV_E4M3"), "float8_e5m2": ("fp8_e5_t", "e5m2", "__NV_E5M2")}
 
@@ -62,21 +63,23 @@ FP8_CUDA = {"float8_e4m3fn": ("fp8_e4_t", "e4m3", "__NV_E4M3"), "float8_e5m2": (
 @pytest.fixture(scope="module")
 def built_fp8():
     jobs = [(s, k, tiles, _full(s, k)) for s, k, tiles, _ in FP8_JOBS]
-    return {(key, tiles["kv_dtype"]): result for (_, key, tiles, _), result in precompile.build_all(jobs, "sm90", os.cpu_count() or 1)}
+    return {(stage, key, tiles["kv_dtype"]): result
+            for (stage, key, tiles, _), result in precompile.build_all(jobs, "sm90", os.cpu_count() or 1)}
 
 
-@pytest.mark.parametrize("key, kv", [(k, t["kv_dtype"]) for _, k, t, _ in FP8_JOBS],
-                         ids=[f"{k},{t['kv_dtype']}{'' if _full(s, k) else '-lowered'}" for s, k, t, _ in FP8_JOBS])
-def test_mqa_decode_fp8_variants_compile(built_fp8, key, kv):
+@pytest.mark.parametrize("stage, key, kv", [(s, k, t["kv_dtype"]) for s, k, t, _ in FP8_JOBS],
+                         ids=[f"{s}[{k},{t['kv_dtype']}]{'' if _full(s, k) else '-lowered'}" for s, k, t, _ in FP8_JOBS])
+def test_fp8_variants_compile(built_fp8, stage, key, kv):
     """Both FP8 kinds for every entry: the FP8 tile gathered by 16-byte cp.async (half the bytes of the 16-bit one),
-    upcast in pairs by the exact conversions into the query's dtype, the wgmma on that, the k_scale tensor a parameter."""
-    assert len(FP8_JOBS) == 2 * sum(s == "mqa_decode" for s, _ in ENTRIES)
-    source, error = built_fp8[key, kv]
-    assert error is None, f"mqa_decode[{key}] {kv}: {error}"
+    upcast in pairs by the exact conversions into the query's dtype, the MMA on that, the k_scale tensor a parameter."""
+    assert len(FP8_JOBS) == 2 * sum(s in FP8_STAGES for s, _ in ENTRIES)
+    source, error = built_fp8[stage, key, kv]
+    assert error is None, f"{stage}[{key}] {kv}: {error}"
     ctype, short, nv = FP8_CUDA[kv]
-    assert f"cp_async_gs_conditional<16>((&((({ctype}*)K8)" in source, "the FP8 tile is not gathered by 16-byte cp.async"
+    buf, mma = FP8_STAGES[stage]
+    assert f"cp_async_gs_conditional<16>((&((({ctype}*){buf})" in source, "the FP8 tile is not gathered by 16-byte cp.async"
     if "dtype=bfloat16" in key:
         assert f"__tl_cvt_{short}x2_to_bfloat162(" in source
     else:
         assert f"__tl_cvt_fp8x2_to_half2(" in source and f", {nv})" in source
-    assert "wgmma" in source and "const float* __restrict__ KS" in source
+    assert mma in source and "const float* __restrict__ KS" in source

@@ -258,6 +258,21 @@ def test_schedule_options_and_block_hint_are_result_neutral(gen):
         assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), kw
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_reference_dequantizes_exactly(gen, kv_dtype, q_dtype):
+    """FP8 K/V with float or tensor scales: the reference equals its own run on the FP32 dequantized cache
+    (value x scale), bit for bit; the query's dtype is the output's."""
+    query, key, value, tok = small(gen)
+    q = query.to(q_dtype)
+    k8, v8 = (key * 30).to(kv_dtype), (value * 20).to(kv_dtype)
+    ref = mate.qsa_sparse_attention(q.float(), k8.float() * 0.03, v8.float() * 0.05, tok, return_lse=True, backend="reference")
+    for ks, vs in [(0.03, 0.05), (torch.tensor(0.03), torch.tensor([0.05]))]:
+        out, lse = mate.qsa_sparse_attention(q, k8, v8, tok, k_scale=ks, v_scale=vs, return_lse=True, backend="reference")
+        assert out.dtype == q_dtype
+        assert torch.equal(out, ref[0].to(q_dtype)) and torch.equal(lse, ref[1])
+
+
 def test_compute_dtype_is_the_inputs_dtype(gen):
     """None (default) means the inputs' dtype; an explicit compute_dtype must be that dtype."""
     query, key, value, tok = small(gen)
@@ -397,6 +412,8 @@ def _qkv(base, q=..., k=..., v=...):
 
 
 # (exception, text the message must contain, base call, args override, kwargs override)
+FP8_KV = dict(k=bf(2, 6, 2, 8).to(torch.float8_e4m3fn), v=bf(2, 6, 2, 8).to(torch.float8_e4m3fn))  # a valid FP8 cache
+
 ERRORS = [
     # Python types and metadata dtypes
     (TypeError, "query", "logical", dict(q=[1.0]), {}),
@@ -439,6 +456,20 @@ ERRORS = [
     (ValueError, "compute_dtype", "logical", {}, dict(compute_dtype=torch.float32)),
     (ValueError, "k_scale", "logical", {}, dict(k_scale=0.5)),
     (ValueError, "v_scale", "logical", {}, dict(v_scale=2.0)),
+    # FP8 K/V (issue 38): the scales' rules, two FP8 kinds, a tensor scale on a 16-bit cache
+    (ValueError, "float8_e4m3fn or float8_e5m2", "logical", dict(k=bf(2, 6, 2, 8).to(torch.float8_e4m3fn), v=bf(2, 6, 2, 8).to(torch.float8_e5m2)), {}),
+    (ValueError, "k_scale", "logical", FP8_KV, dict(k_scale=0.0)),
+    (ValueError, "k_scale", "logical", FP8_KV, dict(k_scale=-0.5)),
+    (ValueError, "v_scale", "logical", FP8_KV, dict(v_scale=float("nan"))),
+    (ValueError, "v_scale", "logical", FP8_KV, dict(v_scale=float("inf"))),
+    (TypeError, "k_scale", "logical", FP8_KV, dict(k_scale=torch.tensor([0.5], dtype=torch.float64))),
+    (ValueError, "k_scale", "logical", FP8_KV, dict(k_scale=torch.tensor([0.5, 0.5]))),
+    (ValueError, "v_scale", "logical", FP8_KV, dict(v_scale=torch.ones(1, 1))),
+    (ValueError, "k_scale", "logical", FP8_KV, dict(k_scale=torch.tensor(float("nan")))),  # its value, read by the reference
+    (ValueError, "v_scale", "logical", FP8_KV, dict(v_scale=torch.tensor([-1.0]))),
+    (ValueError, "tensor applies to FP8", "logical", {}, dict(k_scale=torch.tensor([1.0]))),
+    (TypeError, "k_scale", "logical", FP8_KV, dict(k_scale="0.5")),
+    (ValueError, "FP8 compute", "logical", FP8_KV, dict(compute_dtype=torch.float8_e4m3fn)),
     (ValueError, "dtype", "logical", dict(k=bf(2, 6, 2, 8).half()), {}),
     (ValueError, "value", "logical", dict(v=bf(2, 6, 2, 8).float()), {}),
     (ValueError, "softmax_scale", "logical", {}, dict(scale=0.1, softmax_scale=0.1)),

@@ -226,6 +226,113 @@ def test_graph_replay_with_new_metadata(splits, family):
         assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
+# ---------------------------------------------------------------- FP8 K/V caches (issue 38)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+K_SCALE, V_SCALE = 0.02, 0.03  # the issue's; K/V of unit scale quantize to values up to ~250 (e4m3's max: 448)
+
+
+def fp8_kv(k, v, kv_dtype, tensor_scale):
+    """K/V quantized at K_SCALE / V_SCALE (NaN garbage in unused places stays NaN), and the call's scale keywords:
+    floats, or one-element FP32 tensors of the device (a 0-dim one at a storage offset for k_scale)."""
+    k8, v8 = ((x / s).to(kv_dtype) for x, s in ((k, K_SCALE), (v, V_SCALE)))
+    if tensor_scale:
+        ks = torch.tensor([0.0, K_SCALE], device=k.device)[1]
+        return k8, v8, dict(k_scale=ks, v_scale=torch.tensor([V_SCALE], device=k.device))
+    return k8, v8, dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("tensor_scale", [False, True], ids=["float_scale", "tensor_scale"])
+@pytest.mark.parametrize("hq, hkv", [(24, 2), (16, 1), (3, 1)], ids=["group12", "group16", "group3"])
+@pytest.mark.parametrize("q_form, kv_form", LAYOUTS, ids=[f"{a}-{b}" for a, b in LAYOUTS])
+@pytest.mark.parametrize("options", ["plain", "lens+gate"])
+@pytest.mark.parametrize("width", [7, 130])
+def test_fp8_matches_reference(kv_dtype, tensor_scale, hq, hkv, q_form, kv_form, options, width):
+    """FP8 K/V against the reference on the same FP8 inputs (it dequantizes exactly), at the BF16 tolerances;
+    every split count, an FP16 query in one geometry."""
+    dtype = torch.float16 if hq == 3 else torch.bfloat16
+    seed = zlib.crc32(f"fp8,{kv_dtype},{tensor_scale},{hq},{q_form},{kv_form},{options},{width}".encode()) % 10_000
+    tq, k, v, kw = option_problem(seed, hq, hkv, width, q_form, kv_form, dtype, options)
+    k8, v8, scales = fp8_kv(k.cuda(), v.cuda(), kv_dtype, tensor_scale)
+    q, kw = tq["query"].cuda(), {**cuda(kw), **scales}
+    for splits in ([None] if kv_form == "padded" else [None, 1, 3]):
+        out, lse, ref_out, ref_lse = run_both(q, k8, v8, kw, num_splits=splits)
+        assert_matches(out, lse, ref_out, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [None, 1, 9])
+def test_fp8_physical(kv_dtype, splits):
+    gen = torch.Generator().manual_seed(11)
+    reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=300, dtype=torch.bfloat16)
+    q, k, v, ids = (x.cuda() for x in qsa_physical_layout(reqs, {}))
+    k8, v8, scales = fp8_kv(k, v, kv_dtype, True)
+    poison_allocator("cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
+    mate.qsa_sparse_attention(q, k8, v8, selected_kv_indices=ids, out=out, lse=lse, num_splits=splits, **scales)
+    ref = mate.qsa_sparse_attention(q, k8, v8, selected_kv_indices=ids, return_lse=True, backend="reference", **scales)
+    assert_matches(out, lse, *ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("batch, rows", [(1, 1), (16, 1), (1, 300)], ids=["decode1", "decode16", "prefill300"])
+def test_fp8_serving_shape(kv_dtype, batch, rows):
+    """Issue 37's inputs (2051 slots a row, per-element gate) on FP8 caches: each split count, deterministic; the
+    error against the unquantized BF16 call is the quantization's (printed, loosely bounded)."""
+    p = qsa_serving_problem(torch.Generator().manual_seed(batch + rows), batch, rows, gate="element")[0]
+    k8, v8, scales = fp8_kv(p["key"], p["value"], kv_dtype, batch == 1)
+    p8 = {**p, "key": k8, "value": v8, **scales}
+    ref_out, ref_lse = mate.qsa_sparse_attention(**p8, return_lse=True, backend="reference")
+    for splits in ((None, 1, 8) if rows == 1 else (None,)):
+        poison_allocator("cuda")
+        out, lse = mate.qsa_sparse_attention(**p8, return_lse=True, num_splits=splits)
+        assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+        again = mate.qsa_sparse_attention(**p8, return_lse=True, num_splits=splits)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), f"splits {splits}: not deterministic"
+    bf16 = mate.qsa_sparse_attention(**p).float()
+    err = float((out.float() - bf16).norm() / bf16.norm())
+    print(f"{kv_dtype} batch {batch} rows {rows}: relative error against the BF16 cache {err:.2e}")
+    assert err < 0.1
+
+
+def test_fp8_graph_replay_with_new_scales_and_metadata():
+    """A captured FP8 call with tensor scales: new scale values, indices and page table written into the same
+    buffers, then replay, equal the eager call and match the reference (no host sync reads the scales)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, page_size, pool, max_pages, width = 8, 64, 80, 8, 300
+    k8 = (torch.randn(pool, page_size, 2, D, generator=gen) / K_SCALE).to(torch.float8_e4m3fn).cuda()
+    v8 = (torch.randn(pool, page_size, 2, D, generator=gen) / V_SCALE).to(torch.float8_e4m3fn).cuda()
+    q = torch.randn(batch, 24, D, generator=gen).to(torch.bfloat16).cuda()
+    ks, vs = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
+
+    def fresh():
+        return dict(
+            token_indices=torch.randint(-1, max_pages * page_size, (batch, width), generator=gen, dtype=torch.int32),
+            block_table=torch.randperm(pool, generator=gen)[: batch * max_pages].view(batch, max_pages).to(torch.int32),
+        )
+
+    bufs = cuda(fresh())
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+
+    def call(backend="tilelang"):
+        return mate.qsa_sparse_attention(q, k8, v8, cu_seqlens_q=cu, k_scale=ks, v_scale=vs, return_lse=True,
+                                         backend=backend, **bufs)
+
+    graph, (out, lse) = capture_graph(call)
+    for step in range(2):
+        for name, x in fresh().items():
+            bufs[name].copy_(x)
+        ks.fill_(K_SCALE * (0.5 + step))
+        vs.fill_(V_SCALE * (2.0 - step))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = call()
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        assert_matches(out, lse, *call("reference"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("splits", [5, 37])  # 37: past the kernel's 16 (wide: 4) loads in flight, with a remainder
 @pytest.mark.parametrize("pdtype, odtype", list(itertools.product([torch.float32, torch.bfloat16], [torch.bfloat16, torch.float32])))
 # 198 pairs: one a CTA; 2,100 (over MERGE_CTAS, not a multiple of it): the wide grid, whose four-element chunks

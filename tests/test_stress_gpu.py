@@ -153,6 +153,42 @@ def test_qsa_split_decode_finishes_back_to_back_launches():
     _finish([QSA_DECODE_CHILD, str(LAUNCHES)], 18, "qsa split decode")
 
 
+# QSA sparse attention on FP8 caches (issue 38), the small-CTA program's kv_dtype variants: both kinds, decode rows
+# 1 (many splits) and 64 (a few), prefill (one split), tensor scales, each ring depth of the space; the result must
+# not change over the launches.
+QSA_FP8_CHILD = HAMMER + """
+import json, mate
+from mate.tuning.measure import using_tiles
+from common import qsa_serving_problem
+gen = torch.Generator().manual_seed(0)
+problems = [(f"rows {b} x {r}", qsa_serving_problem(gen, b, r)[0]) for b, r in ((1, 1), (64, 1), (1, 256))]
+ks, vs = torch.tensor([0.02], device="cuda"), torch.tensor([0.03], device="cuda")
+for stages in json.loads(sys.argv[1]):
+    for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for name, p in problems:
+            p8 = dict(p, key=(p["key"] / 0.02).to(kv), value=(p["value"] / 0.03).to(kv), k_scale=ks, v_scale=vs)
+            tiles = dict(block_n=16, num_stages=stages)
+            with using_tiles("sm90", "qsa_attention_warp", "dtype=bfloat16,split=0", tiles):
+                with using_tiles("sm90", "qsa_attention_warp", "dtype=bfloat16,split=1", tiles):  # patches the first's
+                    call = lambda: mate.qsa_sparse_attention(**p8)
+                    first = call()
+                    hammer(f"qsa fp8 {kv} {name} stages {stages}", call)
+                    assert torch.equal(call(), first), f"{kv} {name}: the result changed over the launches"
+"""
+
+
+def qsa_fp8_rings() -> list:
+    """(key, tiles) of the FP8 child's kernels: both BF16 split keys at each ring depth, both FP8 kinds."""
+    card = _dispatch.STAGES["qsa_attention_warp"]
+    return [(f"dtype=bfloat16,split={split}", dict(block_n=16, num_stages=s, kv_dtype=kv))
+            for split in (0, 1) for s in card.space["num_stages"] for kv in FP8_KV]
+
+
+def test_qsa_fp8_finishes_back_to_back_launches():
+    stages = list(_dispatch.STAGES["qsa_attention_warp"].space["num_stages"])
+    _finish([QSA_FP8_CHILD, json.dumps(stages), str(LAUNCHES)], 6 * len(stages), "qsa fp8")
+
+
 def test_gqa_option_variants_finish_back_to_back_launches():
     _finish([OPTIONS_CHILD, str(LAUNCHES)], 2, "gqa options")
 
@@ -325,6 +361,7 @@ def variant_kernels() -> list:
             + [("gqa_decode", key, tiles) for key, tiles in decode_rings()]
             + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()]
             + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_warp_rings()]
+            + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_fp8_rings()]
             + [("mqa_decode", key, {**_dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90"), **v})
                for key in mqa_fp8_keys() for v in _dispatch.STAGES["mqa_decode"].variants(_dispatch.parse_key(key))])
 

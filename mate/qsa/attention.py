@@ -55,19 +55,8 @@ def _is_fp8(dtype: torch.dtype) -> bool:
 
 def _attention_input(name: str, x) -> torch.Tensor:
     C.tensor(name, x, ndim=(3, 4))
-    if _is_fp8(x.dtype):
-        raise ValueError(f"{name} has dtype {x.dtype}: FP8 Q/K/V is not supported by qsa_sparse_attention; pass bfloat16 or float16")
     C.floating(name, x)
     return x
-
-
-def _unit_kv_scale(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
-    if float(v) != 1.0:
-        raise ValueError(
-            f"{name} must be 1.0 for non-FP8 K/V (FP8 K/V is not supported, so there is nothing to dequantize), got {v}"
-        )
 
 
 def _compute_dtype(v, inputs: torch.dtype) -> None:
@@ -126,8 +115,8 @@ def qsa_sparse_attention(
     out: torch.Tensor | None = None,
     selected_kv_indices: torch.Tensor | None = None,
     softmax_scale: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor | None = 1.0,
+    v_scale: float | torch.Tensor | None = 1.0,
     compute_dtype: torch.dtype | None = None,
     lse: torch.Tensor | None = None,
 ):
@@ -151,10 +140,19 @@ def qsa_sparse_attention(
     - gate: floating, shape query.shape[:-1] (per head) or query.shape (per element).
     - num_splits (None or positive; 1 disables SplitKV) and warp_specialized choose
       the native schedule; they do not change the result.
-    - k_scale / v_scale must be 1 (FP8 K/V is not supported). compute_dtype: None
-      (default) is the dtype of query/key/value; an explicit bfloat16 or float16 must be
+    - FP8 K/V: key and value torch.float8_e4m3fn or torch.float8_e5m2 (the same one), every
+      layout; the query stays BF16/FP16. k_scale / v_scale are the per-tensor dequant
+      multipliers (real value = stored value x scale): a positive finite float, or a
+      one-element FP32 tensor on the cache's device that the kernel reads on the GPU (so a
+      captured graph replays with new scales, no host sync). The native path gathers the FP8
+      rows (half the bytes), upcasts them exactly into the query's dtype for the matmuls and
+      applies the scales to the scores and the output; the reference dequantizes (FP32 value
+      x scale). BF16/FP16 K/V take no scale (None or 1.0). Errors: an FP8 query, FP8 K with
+      non-FP8 or other-FP8 V, a scale <= 0, NaN or inf (a tensor's value: with
+      mate.debug_checks() and on the reference), a tensor scale of another shape, dtype or device.
+    - compute_dtype: None (default) is the query's dtype; an explicit bfloat16 or float16 must be
       that dtype, else ValueError (the seed's default, torch.bfloat16, ran fp16 inputs in
-      fp16 without a word); FP8 is not enabled; float32 inputs (reference only) take None.
+      fp16 without a word); FP8 compute is not enabled; float32 inputs (reference only) take None.
     - selected_kv_indices: int32 [rows, W] physical ids into flattened key/value
       [N, Hkv, D] with flattened query [rows, Hq, D]. Excludes token_indices,
       block_indices, request/page/causal metadata and gate. `lse` (FP32 [rows, Hq])
@@ -216,6 +214,7 @@ class Problem(NamedTuple):
     return_lse: bool
     out: torch.Tensor | None
     lse: torch.Tensor | None
+    kv: C.KVScales
     rows: NativeRows | None = None
 
 
@@ -249,9 +248,7 @@ def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, to
     _attention_input("query", query)
     _attention_input("key", key)
     _attention_input("value", value)
-    _unit_kv_scale("k_scale", k_scale)
-    _unit_kv_scale("v_scale", v_scale)
-    C.same_dtype(query=query, key=key, value=value)
+    kv = C.kv_scales(key, value, k_scale, v_scale, query, names=("key", "value", "query"))
     _compute_dtype(compute_dtype, query.dtype)
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
@@ -294,13 +291,15 @@ def resolve(query, key, value, token_indices, *, block_indices, cu_seqlens_q, to
     if _debug.enabled():
         _debug_values(query, key, indices, kv_layout, n_req, block_indices, assume_compact_blocks, cu_seqlens_q,
                       token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, block_table)
+    if _debug.enabled() or backend == "reference":
+        _debug.scales(kv)
     rows = None
     if backend == "tilelang":
-        _native_limits(query, key, value, kv_layout, warp_specialized, num_splits)
+        _native_limits(query, key, value, kv_layout, warp_specialized, num_splits, kv.fp8)
         rows = _native_rows(query, indices, block_indices, query_positions, gate, out, lse, return_lse)
     return Problem(backend, query, key, value, indices, kv_layout, n_req, mult, block_indices, assume_compact_blocks,
                    cu_seqlens_q, token_to_req, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table, gate,
-                   num_splits, return_lse, out, lse, rows)
+                   num_splits, return_lse, out, lse, kv, rows)
 
 
 def _physical(query, key, selected_kv_indices, logical: dict, assume_compact_blocks: bool) -> None:
@@ -393,7 +392,7 @@ def _row_metadata(query, n_req: int, seq_lens_q, seq_lens_k, query_positions, ga
             )
 
 
-def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
+def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits, fp8):
     """The native path's limits (from the seed); raises ValueError for everything it cannot run."""
     hq, dim, hkv = query.shape[-2], query.shape[-1], key.shape[-2]
     if kv_layout == "varlen":
@@ -421,6 +420,11 @@ def _native_limits(query, key, value, kv_layout, warp_specialized, num_splits):
         )
     C.vector_layout("key", key)
     C.vector_layout("value", value)
+    if fp8 and not warp_offsets_fit(key, value):
+        raise ValueError(
+            "backend='tilelang' reads FP8 key/value whose views span under 32 GiB (the small-CTA program's int32 row "
+            f"offsets); key spans {_span_bytes(key)} bytes, value {_span_bytes(value)}: split the pool or use backend='reference'"
+        )
 
 
 def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact, cu_seqlens_q, token_to_req,
@@ -448,11 +452,16 @@ def _debug_values(query, key, indices, kv_layout, n_req, block_indices, compact,
 
 
 def reference_run(p: Problem):
+    k, v, dequant = p.key, p.value, None
+    if p.kv.fp8:
+        kd, ks, vs = p.kv.kv_dtype, p.kv.k_value(p.key), p.kv.v_value(p.value)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+        dequant = lambda ki, vi: (C.dequantized(ki.view(kd), ks), C.dequantized(vi.view(kd), vs))  # noqa: E731
     res, res_lse = reference.sparse_attention(
-        p.query, p.key, p.value, p.indices, physical=p.kv_layout == "physical", n_req=p.n_req,
+        p.query, k, v, p.indices, physical=p.kv_layout == "physical", n_req=p.n_req,
         cu_seqlens_q=p.cu_seqlens_q, token_to_req=p.token_to_req, cu_seqlens_k=p.cu_seqlens_k,
         seq_lens_q=p.seq_lens_q, seq_lens_k=p.seq_lens_k, query_positions=p.query_positions,
-        block_table=p.block_table, scale=p.scale,
+        block_table=p.block_table, scale=p.scale, dequant=dequant,
     )
     res = _reference.apply_gate(res, p.gate)
     out = res.to(p.query.dtype) if p.out is None else p.out.copy_(res)
@@ -581,11 +590,15 @@ def family(rows_x_heads: int, sms: int) -> str:
     return "warp" if rows_x_heads > sms // 2 else "wgmma"
 
 
+def _span_bytes(t: torch.Tensor) -> int:
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size()
+
+
 def warp_offsets_fit(*caches: torch.Tensor) -> bool:
     """Whether the small-CTA program can address every row of these K/V views: it keeps row offsets as int32
-    counts of 8 elements (their ring in shared memory at half the bytes is what fits a fifth CTA an SM), so a
-    view reaching 2^31 x 8 elements (32 GiB of BF16) or past runs on the wgmma family instead."""
-    return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) // 8 < 2**31 for t in caches)
+    counts of 16 bytes (their ring in shared memory at half the bytes is what fits a fifth CTA an SM), so a
+    BF16 view reaching 32 GiB or past runs on the wgmma family instead (an FP8 one is refused)."""
+    return all(_span_bytes(t) // 16 < 2**31 for t in caches)
 
 
 def native(p: Problem):
@@ -626,12 +639,16 @@ def native(p: Problem):
         return result
     dtype = str(p.query.dtype).removeprefix("torch.")
     cluster = 0
-    if family(rows * hkv, sms) == "warp" and warp_offsets_fit(k4, v4):
+    # FP8 caches run on the small-CTA family alone (its compile-time kv_dtype option)
+    kv_dtype = str(p.kv.kv_dtype).removeprefix("torch.") if p.kv.fp8 else None
+    warp = p.kv.fp8 or family(rows * hkv, sms) == "warp" and warp_offsets_fit(k4, v4)
+    if warp:
         # the split entry's tiles size the splits; a call left with one split runs the unsplit entry
         wt = _dispatch.tiles(WARP_ATTENTION.name, {"dtype": dtype, "split": 1}, r.target)
         num_splits = p.num_splits
         if num_splits is None:
-            resident = _hopper.SMEM_PER_SM // (sparse_card.warp_attention_smem({"dtype": dtype}, wt) + _hopper.SMEM_RESERVED_PER_CTA)
+            smem = sparse_card.warp_attention_smem({"dtype": dtype}, wt, kv_dtype)
+            resident = _hopper.SMEM_PER_SM // (smem + _hopper.SMEM_RESERVED_PER_CTA)
             num_splits = 1 if p.kv_layout == "padded" else warp_splits(rows * hkv, -(-width // wt["block_n"]), sms, resident)
         tile = wt["block_n"]
         per_split, splits = split_tiles(-(-width // tile), num_splits)
@@ -639,7 +656,7 @@ def native(p: Problem):
         if splits == 1:
             tile = _dispatch.tiles(WARP_ATTENTION.name, spec, r.target)["block_n"]
             per_split = -(-width // tile)
-        attend = _dispatch.kernel(WARP_ATTENTION.name, spec, r.target)
+        attend = _dispatch.kernel(WARP_ATTENTION.name, spec, r.target, **({"kv_dtype": kv_dtype} if kv_dtype else {}))
         q = r.q if not C.layout_problems(r.q) else r.q.contiguous()  # its rows load as 16-byte vectors
     else:
         tile = kernels.TILE
@@ -664,7 +681,13 @@ def native(p: Problem):
     g, gh, flags = merge.gate_buffers(r.gate, p.query.dtype, r.stand_in, flags)
     meta = (r.indices, opt(r.block_indices, 2), opt(p.block_table, 2), opt(rowmap, 1), opt(p.seq_lens_q, 1),
             opt(p.seq_lens_k, 1), opt(r.query_positions, 1), g, gh)
-    args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
+    if warp:
+        # the dequant scales: floats fold into the scores' factor and the output's, tensors the kernel reads
+        ks, vs = (r.stand_in(torch.float32, 1) if t is None else t for t in (p.kv.k_tensor, p.kv.v_tensor))
+        flags |= (kernels.K_SCALE_DEV if p.kv.k_tensor is not None else 0) | (kernels.V_SCALE_DEV if p.kv.v_tensor is not None else 0)
+        args = (p.scale * p.kv.k, row_mode, flags, p.n_req or 1, q_len, chunk, ks, vs, p.kv.v)
+    else:
+        args = (p.scale, row_mode, flags, p.n_req or 1, q_len, chunk)
     if splits == 1 or cluster:
         attend(q, k4, v4, *meta, r.o, r.lse_rows, *args)
     else:

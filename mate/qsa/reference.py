@@ -213,8 +213,12 @@ def sparse_attention(
     query_positions,
     block_table,
     scale,
+    dequant=None,
 ):
     """QSA core attention over per-row token lists, every layout. Returns FP32 (out, lse) of query's shape.
+
+    dequant: for an FP8 cache passed as its uint8 view (index ops take bytes), the gathered K and V slots ->
+    their FP32 real values (value x scale); gathering before dequantizing keeps the FP32 copy to the slots read.
 
     physical: `indices` [rows, T] are ids into flattened key/value [N, Hkv, D]; an id is
     used iff 0 <= id < N, with no causal or request logic. Otherwise `indices` are
@@ -248,6 +252,8 @@ def sparse_attention(
         if not bool(ok.any()):
             continue  # also covers an empty pool, which cannot be indexed
         k_sel, v_sel = gather(rows, ok)
+        if dequant is not None:
+            k_sel, v_sel = dequant(k_sel, v_sel)
         out[rows], lse[rows] = gather_attention(q[rows], k_sel, v_sel, ok, scale)
     return out.reshape(query.shape), lse.reshape(query.shape[:-1])
 

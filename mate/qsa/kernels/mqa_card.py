@@ -6,14 +6,12 @@ tiles in shared memory, the score tiles in FP32 registers).
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize, warpgroups
+from mate._hopper import FP8_KV, MAX_REGS, REGS_PER_SM, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, WARPGROUP, itemsize, warpgroups
 
 HEADS, DIM = 4, 128  # the indexer's geometry: the programs' `heads` and `dim`
 HEADS_MMA = max(8, HEADS)  # the decode MMA's N is at least 8: heads padded with zero rows
 LOAD_ELEMS = 8  # 16-bit elements per 16-byte load
 PAGE_SIZES = (8, 16, 32, 64)  # decode's page sizes, one specialization each
-# decode's FP8 key caches (issue 38), a compile-time option on the entry's tiles: TileLang's names (torch's less "torch.")
-FP8_KV = ("float8_e4m3fn", "float8_e5m2")
 SPARE_REGS = 64  # registers per thread kept beside the tiles (addresses, indices, loop state)
 # mqa_logits' consumer beside its three score fragments: ptxas fit 64 x 128 tiles (192 fragment registers)
 # into 232 with a 4-byte spill (CUDA 13.0)

@@ -127,6 +127,8 @@ COMPACT_BLOCKS = 32
 HAS_GATE = 64
 WRITE_LSE = 128
 GATE_NATIVE = 256  # with HAS_GATE: the gate is GH, in the output's dtype (no FP32 copy made first), not G
+K_SCALE_DEV = 512  # an FP8 cache's k_scale is KS[0], on the GPU (else a factor of `scale`): the small-CTA program
+V_SCALE_DEV = 1024  # its v_scale is VS[0] (else v_mult)
 
 # The program places its own barriers (mbarriers between the roles, named barriers inside
 # each), which TileLang 0.1.15's sync planner cannot prove warp-uniform; its token

@@ -5,7 +5,7 @@ buffers and the resource model are computed from the same numbers.
 """
 
 from mate._stage import Stage
-from mate._hopper import MAX_CLUSTER, MAX_GROUP, SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
+from mate._hopper import FP8_KV, MAX_CLUSTER, MAX_GROUP, SMEM_PER_CTA, WARPGROUP, itemsize, reduction_scratch
 
 TILE = 64  # tokens per tile: wgmma's M per warpgroup
 DIM = 256
@@ -57,12 +57,14 @@ WARP = 32
 WARP_HEADS = 16  # the small-CTA program's MMA M: a group of up to 16 heads, zero-padded
 
 
-def warp_attention_smem(spec: dict, t: dict) -> int:
+def warp_attention_smem(spec: dict, t: dict, kv_dtype: str | None = None) -> int:
     """Shared memory of one small-CTA program (mate.qsa.kernels.sparse_warp): the Q tile, the K/V ring, two
     decoded chunks' K and V row offsets (int32), two counts and TileLang's 1 KB of static reduction scratch
-    (ptxas: 3072 bytes of static shared memory beside the dynamic Q tile and ring)."""
-    bn, ns = t["block_n"], t["num_stages"]
-    return itemsize(spec["dtype"]) * (WARP_HEADS * DIM + 2 * ns * bn * DIM) + 2 * 2 * WARP_CHUNK * 4 + 1024
+    (ptxas: 3072 bytes of static shared memory beside the dynamic Q tile and ring). kv_dtype, an FP8 cache's:
+    the ring holds it, and a K and a V tile in the query's dtype beside it take the upcast."""
+    bn, ns, es = t["block_n"], t["num_stages"], itemsize(spec["dtype"])
+    ring = 2 * ns * bn * DIM * es if kv_dtype is None else 2 * ns * bn * DIM * itemsize(kv_dtype) + 2 * bn * DIM * es
+    return es * WARP_HEADS * DIM + ring + 2 * 2 * WARP_CHUNK * 4 + 1024
 
 
 WARP_CHUNK = 128  # token slots the small-CTA program decodes at a time (mate.qsa.kernels.sparse_warp.CHUNK)
@@ -75,7 +77,8 @@ def _warp_limits(spec, t):
         return f"num_stages {t['num_stages']}: a decoded chunk's lists must outlive the ring ({WARP_CHUNK // t['block_n']} tiles a chunk)"
     if t["num_stages"] < 2:
         return f"num_stages {t['num_stages']}: the ring needs 2 stages or more (one gathers while one is read)"
-    if (smem := warp_attention_smem(spec, t)) > SMEM_PER_CTA:
+    # an entry's tiles serve its FP8 variants too (the upcast tiles make theirs the larger at one byte an element)
+    if (smem := max(warp_attention_smem(spec, t, kv) for kv in (None, *FP8_KV))) > SMEM_PER_CTA:
         return f"shared memory {smem} B > {SMEM_PER_CTA}"
     return None
 
@@ -93,6 +96,8 @@ WARP_ATTENTION = Stage(
                 full=[dict(batch=256, context=32768, width=2051), dict(batch=64, context=32768, width=2051)]),
     workload="qsa_attention_warp_workload",
     tol=1e-2,
+    # FP8 K/V caches (issue 38): a compile-time option on the entry's tiles; every FP8 call runs this family
+    variants=lambda spec: [{"kv_dtype": kv} for kv in FP8_KV],
 )
 
 MERGE = Stage(

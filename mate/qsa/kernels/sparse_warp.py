@@ -24,9 +24,10 @@ import tilelang.language as T
 
 from mate._tl import FENCE_SOURCE, fence
 from mate.qsa.kernels.sparse import (
-    GATE_NATIVE, HAS_GATE, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS,
+    GATE_NATIVE, HAS_GATE, K_SCALE_DEV, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS, V_SCALE_DEV,
     ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, _list_share, _prefetch_metadata, _row_keys, _row_request,
 )
+from mate._hopper import FP8_KV, itemsize
 from mate.qsa.kernels.sparse_card import DIM, WARP, WARP_CHUNK
 from mate.qsa.kernels.sparse_card import WARP_HEADS as HEADS
 
@@ -68,35 +69,44 @@ def _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS):
 
 
 @T.macro
-def _publish(ko, vo, pg, sl, c, lane, kvh, P, strides):
-    """Chunk c's K and V row offsets into its half of the shared lists, in 16-byte units (the strides are
-    multiples of 8 elements; int32: the wrapper runs this family only on K/V spans under 32 GiB), -1 for a
+def _publish(ko, vo, pg, sl, c, lane, kvh, P, strides, vec):
+    """Chunk c's K and V row offsets into its half of the shared lists, in 16-byte units of `vec` elements (the
+    strides are multiples of vec; int32: the wrapper runs this family only on K/V spans under 32 GiB), -1 for a
     masked token."""
     skp, sks, skh, svp, svs, svh = strides
     for j in T.unroll(PER_LANE):
         ok = (sl[j] >= 0) & (pg[j] >= 0) & (pg[j] < P)
-        ko[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * skp + sl[j] * sks + kvh * skh) // 8), -1)
-        vo[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * svp + sl[j] * svs + kvh * svh) // 8), -1)
+        ko[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * skp + sl[j] * sks + kvh * skh) // vec), -1)
+        vo[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * svp + sl[j] * svs + kvh * svh) // vec), -1)
 
 
 # A warp instruction of the gather covers ROWS rows, 8 lanes x 16 bytes (one 128-byte line) each, and a lane
-# keeps its row for the row's DIM // 64 lines: it reads the row's offset once, and each copy is an immediate
+# keeps its row for the row's lines (4 of BF16, 2 of FP8): it reads the row's offset once, and each copy is an immediate
 # offset from it. (One row per instruction, its (page, slot) re-read for every copy, took 23 instructions and
 # two dependent shared loads per 16-byte copy: nvcc reloads shared memory after every cp.async.)
 ROWS = WARP // 8
 
 
 @T.macro
-def _gather_rows(X, Xs, offsets, st, i, lane, block_n):
-    """Tile i's rows of X into ring stage st by cp.async, zero-filled for a masked token."""
+def _gather_rows(X, Xs, offsets, st, i, lane, block_n, vec):
+    """Tile i's rows of X into ring stage st by cp.async (16 bytes, `vec` elements, a copy), zero-filled for a
+    masked token."""
     for j in T.unroll(block_n // ROWS):
         k = j * ROWS + lane // 8
         off = offsets[i * block_n // CHUNK % 2, i * block_n % CHUNK + k]
-        for line in T.unroll(DIM // 64):
-            d = line * 64 + lane % 8 * 8
+        for line in T.unroll(DIM // (8 * vec)):
+            d = line * 8 * vec + lane % 8 * vec
             # X[0, 0, 0, e] is element e of X's storage: the offset spans the row's page, slot and head
-            T.ptx_cp_async(T.access_ptr(Xs[st, k, d], "w", 8), T.access_ptr(X[0, 0, 0, T.Cast("int64", T.max(off, 0)) * 8 + d], "r", 8),
-                           8, predicate=off >= 0)
+            T.ptx_cp_async(T.access_ptr(Xs[st, k, d], "w", vec), T.access_ptr(X[0, 0, 0, T.Cast("int64", T.max(off, 0)) * vec + d], "r", vec),
+                           vec, predicate=off >= 0)
+
+
+@T.macro
+def _upcast(X8, Xs, st, block_n):
+    """Ring stage st of an FP8 tile into the MMA's tile in the query's dtype, exactly (every e4m3 / e5m2 value is
+    a BF16 and an FP16 value): the ring holds half the bytes of a 16-bit one, and its stage is free once read."""
+    for k, d in T.Parallel(block_n, DIM):
+        Xs[0, k, d] = T.cast(X8[st, k, d], Xs.dtype)
 
 
 @T.macro
@@ -137,9 +147,20 @@ def _store(O, acc, alpha, row, h0, group, gate):
             O[row, hd, d] = acc[h, d] * alpha[h] / (1 + T.exp(-T.cast(gate[row, hd, d], "float32")))
 
 
-def sparse_attention_warp(dtype, split, block_n, num_stages):
-    """The attention pass (mate.qsa.kernels.sparse's arguments); split: FP32 partials per split for `merge`."""
+def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
+    """The attention pass (mate.qsa.kernels.sparse's arguments, then KS, VS, v_mult); split: FP32 partials per
+    split for `merge`.
+
+    kv_dtype (a compile-time option, not a config key): an FP8 cache's dtype, on the entry's tiles. Its rows are
+    gathered as FP8 into the ring (half the bytes) and upcast a tile at a time. The dequant scales are factors
+    of the scores and of the output: k_scale multiplies `scale` (a float, by the host, or KS[0] where flags has
+    K_SCALE_DEV), v_scale the output's normalization (v_mult, or VS[0] with V_SCALE_DEV). A 16-bit cache ignores
+    KS, VS and v_mult (the wrapper passes stand-ins and 1)."""
     assert CHUNK % block_n == 0 and num_stages - 1 <= CHUNK // block_n, "a chunk's lists live until its tiles are read"
+    fp8 = kv_dtype is not None
+    assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
+    kv_dtype = kv_dtype or dtype
+    vec = 16 // itemsize(kv_dtype)
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
     NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
     RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
@@ -159,8 +180,8 @@ def sparse_attention_warp(dtype, split, block_n, num_stages):
     @T.prim_func
     def main(
         Q: T.StridedTensor((R, HQ, DIM), (sqr, sqh, 1), dtype),
-        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), dtype),
-        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), dtype),
+        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), kv_dtype),
+        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), kv_dtype),
         TI: T.StridedTensor((R, W), (sir, siw), "int32"),
         BI: T.StridedTensor((RB, NB), (sbr, sbw), "int32"),
         BT: T.StridedTensor((BTB, MP), (stb, stp), "int32"),
@@ -178,12 +199,18 @@ def sparse_attention_warp(dtype, split, block_n, num_stages):
         n_req: T.int32,
         q_len: T.int32,
         chunk: T.int32,
+        KS: T.Tensor((1,), "float32"),
+        VS: T.Tensor((1,), "float32"),
+        v_mult: T.float32,
     ):
         with T.Kernel(R, HKV, SPL if split else 1, threads=WARP) as (row, kvh, sp):
             T.import_source(sources)
             Qs = T.alloc_shared((HEADS, DIM), dtype)
-            Ks = T.alloc_shared((num_stages, block_n, DIM), dtype)
-            Vs = T.alloc_shared((num_stages, block_n, DIM), dtype)
+            # the ring as gathered; an FP8 one is upcast into a one-stage tile of the query's dtype for the MMAs
+            Kr = T.alloc_shared((num_stages, block_n, DIM), kv_dtype)
+            Vr = T.alloc_shared((num_stages, block_n, DIM), kv_dtype)
+            Ks = T.alloc_shared((1, block_n, DIM), dtype) if fp8 else Kr
+            Vs = T.alloc_shared((1, block_n, DIM), dtype) if fp8 else Vr
             # two chunks' K/V row offsets: the one the gather reads and the one published next
             ko = T.alloc_shared((2, CHUNK), "int32", scope="shared")
             vo = T.alloc_shared((2, CHUNK), "int32", scope="shared")
@@ -209,12 +236,12 @@ def sparse_attention_warp(dtype, split, block_n, num_stages):
             # The wrapper passes Q and K/V with unit feature stride, 16-byte aligned bases and strides.
             T.assume(sqr % 8 == 0)
             T.assume(sqh % 8 == 0)
-            T.assume(skp % 8 == 0)
-            T.assume(sks % 8 == 0)
-            T.assume(skh % 8 == 0)
-            T.assume(svp % 8 == 0)
-            T.assume(svs % 8 == 0)
-            T.assume(svh % 8 == 0)
+            T.assume(skp % vec == 0)
+            T.assume(sks % vec == 0)
+            T.assume(skh % vec == 0)
+            T.assume(svp % vec == 0)
+            T.assume(svs % vec == 0)
+            T.assume(svh % vec == 0)
             if split:
                 T.pdl_trigger()
                 _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, lane, WARP, W, MP, BTB, NM, NSLK)
@@ -240,38 +267,51 @@ def sparse_attention_warp(dtype, split, block_n, num_stages):
             T.fill(acc, 0)
             T.fill(rowsum, 0)
             T.fill(m_cur, M_FLOOR)
-            scale_log2 = scale * LOG2E
+            # the scores' factor, with k_scale; `norm` the output's, with v_scale (FP8 only)
+            qk_scale = T.alloc_var("float32")
+            norm = T.alloc_var("float32")
+            qk_scale = scale
+            norm = 1.0
+            if fp8:
+                qk_scale = scale * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1))
+                norm = T.if_then_else((flags & V_SCALE_DEV) != 0, VS[0], v_mult)
+            scale_log2 = qk_scale * LOG2E
             for i in T.serial(n_tiles + num_stages - 1):
                 # issue tile i, then compute tile i - (num_stages - 1), whose group is then the oldest in flight
                 if i < n_tiles:
                     if i * block_n % CHUNK == 0:
                         c = i * block_n // CHUNK
-                        _publish(ko, vo, pg, sl, c, lane, kvh, P, strides)
+                        _publish(ko, vo, pg, sl, c, lane, kvh, P, strides, vec)
                         _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
                         _chunk_ids(TI, BI, tok, row, c + 2, lane, first, last, block_slots, blocks, NB)
                         T.sync_threads()  # the chunk's lists are published
                         fence()
-                    _gather_rows(K, Ks, ko, i % num_stages, i, lane, block_n)
-                    _gather_rows(V, Vs, vo, i % num_stages, i, lane, block_n)
+                    _gather_rows(K, Kr, ko, i % num_stages, i, lane, block_n, vec)
+                    _gather_rows(V, Vr, vo, i % num_stages, i, lane, block_n, vec)
                 T.ptx_commit_group()
                 if i >= num_stages - 1:
                     T.ptx_wait_group(num_stages - 1)
                     T.sync_threads()
                     fence()
-                    _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, (i - num_stages + 1) % num_stages,
+                    st = (i - num_stages + 1) % num_stages
+                    if fp8:
+                        _upcast(Kr, Ks, st, block_n)
+                        _upcast(Vr, Vs, st, block_n)
+                        T.sync_threads()
+                    _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, 0 if fp8 else st,
                             i - num_stages + 1, scale_log2, block_n)
                     fence()
                     T.sync_threads()  # the stage is free for the gather num_stages - 1 tiles on
             T.reduce_sum(rowsum, l_sum, dim=1)
             for h in T.Parallel(HEADS):
-                alpha[h] = T.if_then_else(l_sum[h] > 0, 1.0 / l_sum[h], 0)  # one division a head
+                alpha[h] = T.if_then_else(l_sum[h] > 0, norm / l_sum[h], 0)  # one division a head
             if split:
                 for h, d in T.Parallel(HEADS, DIM):
                     if h < group:
                         O[sp, row, h0 + h, d] = acc[h, d] * alpha[h]
                 for h in T.Parallel(HEADS):
                     if h < group:
-                        LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                        LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
             else:
                 # one loop per gate kind, the flag tests outside it (prefill, one split, with the tests inside:
                 # 4358 us gated, 2762 ungated)
@@ -284,6 +324,6 @@ def sparse_attention_warp(dtype, split, block_n, num_stages):
                 if (flags & WRITE_LSE) != 0:
                     for h in T.Parallel(HEADS):
                         if h < group:
-                            LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
+                            LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
 
     return main
