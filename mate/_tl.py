@@ -70,3 +70,8 @@ def assume_aligned(*strides):
     # A plain function, not a macro: a macro would bind each stride to its parameter's name, renaming it.
     for s in strides:
         T.evaluate(T.assume(s % 8 == 0))
+
+
+def alloc_vars(count, dtype="int32"):
+    """`count` scalars (T.alloc_var), for one tuple assignment that names them in order."""
+    return tuple(T.alloc_var(dtype) for _ in range(count))

@@ -61,8 +61,7 @@ def launch(partial_out, partial_lse, gate, out, lse, flags, target, stand_in):
 
 
 def merge_attention_states(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
+    partial_out: torch.Tensor, partial_lse: torch.Tensor,
     *,
     gate: torch.Tensor | None = None,
     out: torch.Tensor | None = None,

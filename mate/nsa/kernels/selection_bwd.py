@@ -55,6 +55,21 @@ LOG2E = 1.4426950408889634
 INF = T.infinity("float32")
 
 
+def _rows(n, heads, dim, dtype, strides):
+    """Flat token rows [n, heads, dim] of unit feature stride; the other strides are dynamic (int64), named
+    `strides`."""
+    return T.StridedTensor((n, heads, dim), (*T.dynamic(strides, "int64"), 1), dtype)
+
+
+def _alloc_operands(keep_rows, ring_rows, n, published, num_stages, dim, dtype):
+    """A kernel's MMA operands in shared memory: the pair it keeps ([keep_rows, dim]: dq's Q and dO, dk/dv's K
+    and V), the pair the producer streams through the ring ([num_stages, ring_rows, dim]), then the `published`
+    tiles [TILE_KEYS, n] the consumer writes for its second products (dq: dS^T; dk/dv: P and dS)."""
+    return (T.alloc_shared((keep_rows, dim), dtype), T.alloc_shared((keep_rows, dim), dtype),
+            T.alloc_shared((num_stages, ring_rows, dim), dtype), T.alloc_shared((num_stages, ring_rows, dim), dtype),
+            *(T.alloc_shared((TILE_KEYS, n), dtype) for _ in range(published)))
+
+
 @T.macro
 def _delta_and_lse(O, DO, LSE, DELTA, od, dlt, delta, lse2, bq, h0, group_heads, head_tile, dim):
     # delta = rowsum(dO * O) per head (also written out, for the dk/dv kernel) and the LSE in log2 units;
@@ -97,14 +112,14 @@ def _dq_tile(Ks, Vs, Qs, dOs, dSs, blocks, lse2, delta, k_full, v_full, k_empty,
 def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
     per_tile = _tiles_per_block(block_size, threads)
     TQ, TK, H, G, TT = T.dynamic("TQ TK H G TT")
-    (skb, svb, sq0, sq1, so0, so1, sd0, sd1, sk0, sk1, sv0, sv1, sib, si0, si1, si2, scb, sc0, sc1, sl0, sl1, sg0, sg1) = T.dynamic(
-        "skb svb sq0 sq1 so0 so1 sd0 sd1 sk0 sk1 sv0 sv1 sib si0 si1 si2 scb sc0 sc1 sl0 sl1 sg0 sg1", "int64")
+    skb, svb, sk0, sk1, sv0, sv1, sib, si0, si1, si2, scb, sc0, sc1, sl0, sl1 = T.dynamic(
+        "skb svb sk0 sk1 sv0 sv1 sib si0 si1 si2 scb sc0 sc1 sl0 sl1", "int64")
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((TQ, H, dim), (sq0, sq1, 1), dtype),
-        O: T.StridedTensor((TQ, H, dim), (so0, so1, 1), dtype),
-        DO: T.StridedTensor((TQ, H, dim), (sd0, sd1, 1), dtype),
+        Q: _rows(TQ, H, dim, dtype, "sq0 sq1"),
+        O: _rows(TQ, H, dim, dtype, "so0 so1"),
+        DO: _rows(TQ, H, dim, dtype, "sd0 sd1"),
         K: T.StridedTensor((1, TK, G, dim), (skb, sk0, sk1, 1), dtype),
         V: T.StridedTensor((1, TK, G, dim), (svb, sv0, sv1, 1), dtype),
         BI: T.StridedTensor((1, TQ, G, TT), (sib, si0, si1, si2), "int32"),
@@ -112,7 +127,7 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
         LSE: T.StridedTensor((H, TQ), (sl0, sl1), "float32"),
         KB: T.Tensor((TQ,), "int32"),
         POS: T.Tensor((TQ,), "int32"),
-        DQ: T.StridedTensor((TQ, H, dim), (sg0, sg1, 1), dtype),
+        DQ: _rows(TQ, H, dim, dtype, "sg0 sg1"),
         DELTA: T.Tensor((H, TQ), "float32"),
         scale: T.float32,
         group_heads: T.int32,
@@ -121,11 +136,7 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
         # A producer warpgroup (of which warp 0 works) and the consumer warpgroup, as the forward.
         with T.Kernel(TQ, G, threads=2 * threads) as (bq, bg):
             tx = _kernel_prologue(min_blocks)
-            Qs = T.alloc_shared((head_tile, dim), dtype)
-            dOs = T.alloc_shared((head_tile, dim), dtype)
-            Ks = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
-            Vs = T.alloc_shared((num_stages, TILE_KEYS, dim), dtype)
-            dSs = T.alloc_shared((TILE_KEYS, head_tile), dtype)
+            Qs, dOs, Ks, Vs, dSs = _alloc_operands(head_tile, TILE_KEYS, head_tile, 1, num_stages, dim, dtype)
             lse2 = T.alloc_shared((head_tile,), "float32")
             delta = T.alloc_shared((head_tile,), "float32")
             blocks, used, k_full, v_full, k_empty, v_empty = _alloc_ring_state(num_stages, threads)
@@ -135,7 +146,7 @@ def nsa_selection_bwd_dq(dtype, dim, block_size, head_tile, threads, num_stages,
             dP = T.alloc_fragment((TILE_KEYS, head_tile), "float32")
             dS = T.alloc_fragment((TILE_KEYS, head_tile), dtype)
             dqT = T.alloc_fragment((dim, head_tile), "float32")
-            assume_aligned(sq0, sq1, sd0, sd1, sg0, sg1, so0, so1)
+            assume_aligned(*Q.strides[:2], *DO.strides[:2], *DQ.strides[:2], *O.strides[:2])
 
             pos = POS[bq]
             key_base = KB[bq]
@@ -246,15 +257,14 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, n
     cols = queries * head_tile
     assert cols % 32 == 0, "the producer warp's lanes take the step's columns 32 at a time"
     TQ, TK, H, G, E, NSEG = T.dynamic("TQ TK H G E NSEG")
-    (sq0, sq1, sd0, sd1, sk0, sk1, sv0, sv1, sl0, sl1, sa0, sa1, sb0, sb1, so0, so1) = T.dynamic(
-        "sq0 sq1 sd0 sd1 sk0 sk1 sv0 sv1 sl0 sl1 sa0 sa1 sb0 sb1 so0 so1", "int64")
+    sl0, sl1, sa0, sa1, sb0, sb1, so0, so1 = T.dynamic("sl0 sl1 sa0 sa1 sb0 sb1 so0 so1", "int64")
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((TQ, H, dim), (sq0, sq1, 1), dtype),
-        DO: T.StridedTensor((TQ, H, dim), (sd0, sd1, 1), dtype),
-        K: T.StridedTensor((TK, G, dim), (sk0, sk1, 1), dtype),
-        V: T.StridedTensor((TK, G, dim), (sv0, sv1, 1), dtype),
+        Q: _rows(TQ, H, dim, dtype, "sq0 sq1"),
+        DO: _rows(TQ, H, dim, dtype, "sd0 sd1"),
+        K: _rows(TK, G, dim, dtype, "sk0 sk1"),
+        V: _rows(TK, G, dim, dtype, "sv0 sv1"),
         LSE: T.StridedTensor((H, TQ), (sl0, sl1), "float32"),
         DELTA: T.Tensor((H, TQ), "float32"),
         LO: T.StridedTensor((G, NSEG), (sa0, sa1), "int32"),
@@ -270,12 +280,7 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, n
     ):
         with T.Kernel(NSEG, G, threads=2 * threads) as (bs_, bg):
             tx = _kernel_prologue(min_blocks)
-            Ks = T.alloc_shared((TILE_KEYS, dim), dtype)
-            Vs = T.alloc_shared((TILE_KEYS, dim), dtype)
-            Qs = T.alloc_shared((num_stages, cols, dim), dtype)
-            dOs = T.alloc_shared((num_stages, cols, dim), dtype)
-            Ps = T.alloc_shared((TILE_KEYS, cols), dtype)
-            dSs = T.alloc_shared((TILE_KEYS, cols), dtype)
+            Ks, Vs, Qs, dOs, Ps, dSs = _alloc_operands(TILE_KEYS, cols, cols, 2, num_stages, dim, dtype)
             lse2 = T.alloc_shared((num_stages, cols), "float32", scope="shared")
             delta = T.alloc_shared((num_stages, cols), "float32", scope="shared")
             qlim = T.alloc_shared((num_stages, cols), "int32", scope="shared")
@@ -287,7 +292,7 @@ def nsa_selection_bwd_dkv(dtype, dim, block_size, head_tile, threads, queries, n
             dS = T.alloc_fragment((TILE_KEYS, cols), dtype)
             dK = T.alloc_fragment((TILE_KEYS, dim), "float32")
             dV = T.alloc_fragment((TILE_KEYS, dim), "float32")
-            assume_aligned(so0, so1, sk0, sk1, sv0, sv1)
+            assume_aligned(so0, so1, *K.strides[:2], *V.strides[:2])
 
             lo = LO[bg, bs_]
             n_entries = HI[bg, bs_] - lo

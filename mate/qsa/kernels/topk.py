@@ -19,10 +19,13 @@ the row's incomplete tail block.
 `expand`: the expansion alone, one thread an output slot.
 """
 
+from typing import NamedTuple
+
 import tilelang
 import tilelang.language as T
 from tvm import tirx as tir
 
+from mate._tl import alloc_vars
 from mate.qsa.kernels.topk_card import BINS, RADIX_BITS, ROUNDS, WARP, exchange_buffers, keys_in_registers, sort_size
 
 # Synchronization is written out: the phases hand data between threads through shared memory at known points,
@@ -102,223 +105,267 @@ def sort_stages(n):
     return [(s, j) for s in range(n.bit_length() - 1) for j in range(s, -1, -1)]
 
 
-def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
-    R, N, K, RP, RT, W = T.dynamic("R N K RP RT W")
-    ssr, ssn, sor, soc, spr, str_, stc = T.dynamic("ssr ssn sor soc spr str_ stc", "int64")
-    per = max_keys // threads
-    nw = threads // WARP
-    in_regs = keys_in_registers(max_keys, threads)
-    bins_per_thread = BINS // threads
-    groups_per_lane = max_keys // WARP // WARP  # ballot counts each lane of warp 0 scans
+class _Plan(NamedTuple):
+    """The compile-time sizes of one `topk` program."""
+
+    max_keys: int
+    threads: int
+    per: int  # keys a thread holds
+    nw: int  # warps
+    in_regs: bool  # the keys in registers (else in shared memory, in id order)
+    bins_per_thread: int
+    groups_per_lane: int  # ballot counts each lane of warp 0 scans
+    n_sort: int
+    E: int  # pairs a sorting thread holds, in registers
+    ST: int  # sorting threads (whole warps: n_sort >= 32)
+    ring: int  # exchange buffers
+    arena_pairs: int  # 8-byte pairs: the exchange buffers, or the histogram's int32 bins
+    stages: list  # (s, j, exchange buffer) of each sort stage
+    out_buf: int  # the exchange buffer the ids go out through
+
+    def at(self, i, tx):
+        """Where key i of a thread lives: its registers, or shared memory in id order."""
+        return i if self.in_regs else i * self.threads + tx
+
+
+def _plan(max_keys, threads, min_blocks, sort_mult, kpow):
+    """The sizes of the program of one (max_keys, threads, min_blocks, sort_mult, kpow)."""
     n_sort = sort_size(kpow, sort_mult)
-    E = max(n_sort // threads, 1)  # pairs a sorting thread holds, in registers
-    ST = n_sort // E  # sorting threads (whole warps: n_sort >= 32)
+    E = max(n_sort // threads, 1)
     ring = exchange_buffers(max_keys, threads, min_blocks, n_sort)
-    arena_pairs = max(ring * n_sort, BINS // 2)  # 8-byte pairs: the exchange buffers, or the histogram's int32 bins
-    # (s, j, exchange buffer) of each stage. The gathered pairs are in buffer 0; the k-th shared-memory stage
-    # writes buffer (k + 1) % ring, and the ids go out through the buffer after the last one. With two buffers a
-    # buffer is written again only a barrier after its last reads; with one, every stage ends with a barrier.
+    # The gathered pairs are in buffer 0; the k-th shared-memory stage writes buffer (k + 1) % ring, and the ids go
+    # out through the buffer after the last one. With two buffers a buffer is written again only a barrier after its
+    # last reads; with one, every stage ends with a barrier.
     stages, wide_stages = [], 0
     for s, j in sort_stages(n_sort):
         if (1 << j) >= WARP * E:
             wide_stages += 1
         stages.append((s, j, wide_stages % ring))
-    out_buf = (wide_stages + 1) % ring
+    return _Plan(max_keys=max_keys, threads=threads, per=max_keys // threads, nw=threads // WARP,
+                 in_regs=keys_in_registers(max_keys, threads), bins_per_thread=BINS // threads,
+                 groups_per_lane=max_keys // WARP // WARP, n_sort=n_sort, E=E, ST=n_sort // E, ring=ring,
+                 arena_pairs=max(ring * n_sort, BINS // 2), stages=stages, out_buf=(wide_stages + 1) % ring)
 
-    def at(i, tx):
-        """Where key i of a thread lives: its registers, or shared memory in id order."""
-        return i if in_regs else i * threads + tx
 
-    @T.macro
-    def row_keys(S, r, tx, lane, wid, vals, keys, part, n_valid: T.Ref, kmin: T.Ref, kmax: T.Ref):
-        """The row's keys, and its count of valid keys and their range in every thread."""
-        n_valid = 0
-        kmin = _u32(0xFFFFFFFF)
-        kmax = _u32(0)
-        # every load at a clamped (in-bounds) address, all in flight before the first is used: a load under
-        # its bounds test waited for the previous one, a DRAM round trip each (ptxas issues them in batches)
-        for i in T.unroll(per):
-            vals[i] = S[r, T.min(i * threads + tx, N - 1)]
-        for i in T.unroll(per):
-            u = T.if_then_else(i * threads + tx < N, score_key(vals[i]), _u32(0))
-            keys[at(i, tx)] = u
-            n_valid += T.if_then_else(u != _u32(0), 1, 0)
-            kmax = T.max(kmax, u)
-            kmin = T.min(kmin, T.if_then_else(u != _u32(0), u, _u32(0xFFFFFFFF)))
-        _warp_totals(n_valid, kmin, kmax)
-        if lane == 0:
-            part[0, wid] = T.Cast("uint32", n_valid)
-            part[1, wid] = kmin
-            part[2, wid] = kmax
-        T.sync_threads()
-        # lane l takes warp l's partials, then the warp reduces them: every warp holds the row's totals
-        n_valid = T.if_then_else(lane < nw, T.Cast("int32", part[0, lane]), 0)
-        kmin = T.if_then_else(lane < nw, part[1, lane], _u32(0xFFFFFFFF))
-        kmax = T.if_then_else(lane < nw, part[2, lane], _u32(0))
-        _warp_totals(n_valid, kmin, kmax)
+def _alloc(plan):
+    """The CTA's buffers, then its scalars: the row's count of valid keys and their range, the radix rounds'
+    range [lo, hi] and state, and three scratch integers."""
+    # One arena for the radix histogram and the sort's exchange buffers, which are never live together (a barrier
+    # apart): left to TileLang's allocator, the two took separate space at sorts of 1024 pairs and up (its merge
+    # reuses a freed block of about the new one's size), 16 KB more a CTA.
+    arena = T.alloc_shared((plan.arena_pairs,), "uint64")
+    buffers = (
+        arena, T.view(arena, (2 * plan.arena_pairs,), "int32"), T.view(arena, (plan.arena_pairs // plan.n_sort, plan.n_sort), "uint64"),
+        T.alloc_shared((plan.max_keys // WARP,), "int32"), T.alloc_shared((4, plan.nw), "uint32"), T.alloc_shared((4,), "int32"),
+        T.alloc_local((plan.per,), "float32"),
+        T.alloc_local((plan.per,), "uint32") if plan.in_regs else T.alloc_shared((plan.max_keys,), "uint32"),
+        T.alloc_local((plan.E,), "uint64"),
+    )
+    return buffers + alloc_vars(1) + alloc_vars(4, "uint32") + alloc_vars(7)
 
-    @T.macro
-    def radix_round(keys, hist, part, found, tx, lane, wid, lo: T.Ref, hi: T.Ref, remaining: T.Ref, n_inside: T.Ref,
-                    take: T.Ref, done: T.Ref, acc: T.Ref, x: T.Ref, y: T.Ref):
-        """Histogram the keys in [lo, hi] on the 11-bit digit at the range's top bits, and narrow the range to the
-        bin where the count from the top reaches `remaining`; done once the keys above it and the bin fit the sort."""
-        shift = T.max(32 - T.Cast("int32", T.clz(hi - lo)) - RADIX_BITS, 0)
-        for j in T.unroll(bins_per_thread):
-            hist[j * threads + tx] = 0
-        T.sync_threads()
-        for i in T.unroll(per):
-            u = keys[at(i, tx)]
-            if (u >= lo) & (u <= hi):
-                T.atomic_add(hist[T.Cast("int32", (u - lo) >> T.Cast("uint32", shift))], 1)
-        T.sync_threads()
-        # thread t holds bins [t * bins_per_thread, ...), counts above it come from a suffix scan over threads
-        x = 0
-        for j in T.unroll(bins_per_thread):
-            x += hist[tx * bins_per_thread + j]
-        acc = x
-        _warp_scan(x, y, lane, True)
-        if lane == 0:
-            part[3, wid] = T.Cast("uint32", x)
-        T.sync_threads()
-        # the counts of the warps above this one: lane l takes warp l's, the warp sums them
-        y = T.if_then_else((lane > wid) & (lane < nw), T.Cast("int32", part[3, lane]), 0)
-        for d in T.unroll(5):
-            y += T.shfl_xor(y, 16 >> d)
-        acc = x - acc + y
-        for j in T.unroll(bins_per_thread):
-            b = tx * bins_per_thread + bins_per_thread - 1 - j
-            h = hist[b]
-            if (acc < remaining) & (acc + h >= remaining):
-                found[0] = b
-                found[1] = acc
-                found[2] = h
-            acc += h
-        T.sync_threads()
-        remaining -= found[1]
-        lo = lo + (T.Cast("uint32", found[0]) << T.Cast("uint32", shift))
-        hi = T.min(hi, lo + ((_u32(1) << T.Cast("uint32", shift)) - _u32(1)))
-        n_inside = found[2]
-        if K - remaining + found[2] <= n_sort:
-            take = found[2]  # the whole bin fits the sort, which orders it: no more rounds
-            done = 1
-        elif shift == 0:
-            take = remaining
-            done = 1
 
-    @T.macro
-    def gather(keys, xb, found, tx, lane, lo, gbase: T.Ref):
-        """Every key from lo up as a (key, complemented id) pair into xb[0], in any order (the sort orders the
-        pairs, all distinct, so the bits do not depend on it): a warp's keys take consecutive slots from one
-        shared atomic of lane 0 (found[3], zeroed before the rounds' last barrier)."""
-        lanes_below = (_u64(1) << T.Cast("uint64", lane)) - _u64(1)
-        for i in T.unroll(per):
-            u = keys[at(i, tx)]
-            sel = T.ballot(u >= lo)
-            if sel != _u64(0):
-                if lane == 0:
-                    gbase = T.atomic_add(found[3], T.Cast("int32", T.popcount(sel)), return_prev=True)
-                gbase = T.shfl_sync(gbase, 0)
-                if u >= lo:
-                    xb[0, gbase + T.Cast("int32", T.popcount(sel & lanes_below))] = _pair(u, i * threads + tx)
-        T.sync_threads()
+@T.macro
+def _row_keys(plan, S, r, tx, lane, wid, vals, keys, part, n_valid: T.Ref, kmin: T.Ref, kmax: T.Ref):
+    """The row's keys, and its count of valid keys and their range in every thread."""
+    n_valid = 0
+    kmin = _u32(0xFFFFFFFF)
+    kmax = _u32(0)
+    # every load at a clamped (in-bounds) address, all in flight before the first is used: a load under
+    # its bounds test waited for the previous one, a DRAM round trip each (ptxas issues them in batches)
+    for i in T.unroll(plan.per):
+        vals[i] = S[r, T.min(i * plan.threads + tx, S.shape[1] - 1)]
+    for i in T.unroll(plan.per):
+        u = T.if_then_else(i * plan.threads + tx < S.shape[1], score_key(vals[i]), _u32(0))
+        keys[plan.at(i, tx)] = u
+        n_valid += T.if_then_else(u != _u32(0), 1, 0)
+        kmax = T.max(kmax, u)
+        kmin = T.min(kmin, T.if_then_else(u != _u32(0), u, _u32(0xFFFFFFFF)))
+    _warp_totals(n_valid, kmin, kmax)
+    if lane == 0:
+        part[0, wid] = T.Cast("uint32", n_valid)
+        part[1, wid] = kmin
+        part[2, wid] = kmax
+    T.sync_threads()
+    # lane l takes warp l's partials, then the warp reduces them: every warp holds the row's totals
+    n_valid = T.if_then_else(lane < plan.nw, T.Cast("int32", part[0, lane]), 0)
+    kmin = T.if_then_else(lane < plan.nw, part[1, lane], _u32(0xFFFFFFFF))
+    kmax = T.if_then_else(lane < plan.nw, part[2, lane], _u32(0))
+    _warp_totals(n_valid, kmin, kmax)
 
-    @T.macro
-    def gather_in_order(keys, counts, xb, tx, lane, wid, lo, hi, take, x: T.Ref, y: T.Ref, acc: T.Ref):
-        """The pairs of the keys above hi and of the first `take` keys in [lo, hi] (ties at one key value, more
-        than the sort holds: the lower ids win) into xb[0], in id order: a ballot-and-scan gives the slots."""
-        for i in T.unroll(per):
-            u = keys[at(i, tx)]
-            above = T.ballot(u > hi)
-            inside = T.ballot((u >= lo) & (u <= hi))
+
+@T.macro
+def _radix_round(plan, K, keys, hist, part, found, tx, lane, wid, lo: T.Ref, hi: T.Ref, remaining: T.Ref, n_inside: T.Ref,
+                take: T.Ref, done: T.Ref, acc: T.Ref, x: T.Ref, y: T.Ref):
+    """Histogram the keys in [lo, hi] on the 11-bit digit at the range's top bits, and narrow the range to the
+    bin where the count from the top reaches `remaining`; done once the keys above it and the bin fit the sort."""
+    shift = T.max(32 - T.Cast("int32", T.clz(hi - lo)) - RADIX_BITS, 0)
+    for j in T.unroll(plan.bins_per_thread):
+        hist[j * plan.threads + tx] = 0
+    T.sync_threads()
+    for i in T.unroll(plan.per):
+        u = keys[plan.at(i, tx)]
+        if (u >= lo) & (u <= hi):
+            T.atomic_add(hist[T.Cast("int32", (u - lo) >> T.Cast("uint32", shift))], 1)
+    T.sync_threads()
+    # thread t holds bins [t * bins_per_thread, ...), counts above it come from a suffix scan over threads
+    x = 0
+    for j in T.unroll(plan.bins_per_thread):
+        x += hist[tx * plan.bins_per_thread + j]
+    acc = x
+    _warp_scan(x, y, lane, True)
+    if lane == 0:
+        part[3, wid] = T.Cast("uint32", x)
+    T.sync_threads()
+    # the counts of the warps above this one: lane l takes warp l's, the warp sums them
+    y = T.if_then_else((lane > wid) & (lane < plan.nw), T.Cast("int32", part[3, lane]), 0)
+    for d in T.unroll(5):
+        y += T.shfl_xor(y, 16 >> d)
+    acc = x - acc + y
+    for j in T.unroll(plan.bins_per_thread):
+        b = tx * plan.bins_per_thread + plan.bins_per_thread - 1 - j
+        h = hist[b]
+        if (acc < remaining) & (acc + h >= remaining):
+            found[0] = b
+            found[1] = acc
+            found[2] = h
+        acc += h
+    T.sync_threads()
+    remaining -= found[1]
+    lo = lo + (T.Cast("uint32", found[0]) << T.Cast("uint32", shift))
+    hi = T.min(hi, lo + ((_u32(1) << T.Cast("uint32", shift)) - _u32(1)))
+    n_inside = found[2]
+    if K - remaining + found[2] <= plan.n_sort:
+        take = found[2]  # the whole bin fits the sort, which orders it: no more rounds
+        done = 1
+    elif shift == 0:
+        take = remaining
+        done = 1
+
+
+@T.macro
+def _gather(plan, keys, xb, found, tx, lane, lo, gbase: T.Ref):
+    """Every key from lo up as a (key, complemented id) pair into xb[0], in any order (the sort orders the
+    pairs, all distinct, so the bits do not depend on it): a warp's keys take consecutive slots from one
+    shared atomic of lane 0 (found[3], zeroed before the rounds' last barrier)."""
+    lanes_below = (_u64(1) << T.Cast("uint64", lane)) - _u64(1)
+    for i in T.unroll(plan.per):
+        u = keys[plan.at(i, tx)]
+        sel = T.ballot(u >= lo)
+        if sel != _u64(0):
             if lane == 0:
-                counts[i * nw + wid] = (T.Cast("int32", T.popcount(above)) << 16) | T.Cast("int32", T.popcount(inside))
-        T.sync_threads()
-        if wid == 0:
-            # exclusive scan of the packed (above, inside) counts, in id order (key group-major, then warp)
-            x = 0
-            for j in T.unroll(groups_per_lane):
-                x += counts[lane * groups_per_lane + j]
-            acc = x
-            _warp_scan(x, y, lane, False)
-            acc = x - acc
-            for j in T.unroll(groups_per_lane):
-                c0 = counts[lane * groups_per_lane + j]
-                counts[lane * groups_per_lane + j] = acc
-                acc += c0
-        T.sync_threads()
-        lanes_below = (_u64(1) << T.Cast("uint64", lane)) - _u64(1)
-        for i in T.unroll(per):
-            u = keys[at(i, tx)]
-            is_above = u > hi
-            is_inside = (u >= lo) & (u <= hi)
-            above = T.ballot(is_above)
-            inside = T.ballot(is_inside)
-            before = counts[i * nw + wid]
-            n_above = (before >> 16) + T.Cast("int32", T.popcount(above & lanes_below))
-            n_inside = (before & 0xFFFF) + T.Cast("int32", T.popcount(inside & lanes_below))
-            if is_above | (is_inside & (n_inside < take)):
-                xb[0, n_above + T.min(n_inside, take)] = _pair(u, i * threads + tx)
-        T.sync_threads()
+                gbase = T.atomic_add(found[3], T.Cast("int32", T.popcount(sel)), return_prev=True)
+            gbase = T.shfl_sync(gbase, 0)
+            if u >= lo:
+                xb[0, gbase + T.Cast("int32", T.popcount(sel & lanes_below))] = _pair(u, i * plan.threads + tx)
+    T.sync_threads()
 
-    @T.macro
-    def sort_stage(sv, xb, tx, s, j, buf):
-        """One compare-exchange stage of the descending bitonic sort (key high, complemented id low: lower ids
-        first among ties) of sorting thread t's pairs t * E .. t * E + E - 1. Strides below E stay in the thread's
-        registers, strides below a warp's 32 E go by shuffles, wider ones through shared memory, a barrier each
-        (every thread at it). Pair i keeps the larger of it and its partner where bit j of i equals bit s + 1
-        (the upper of a descending block, the lower of an ascending one)."""
-        if (1 << j) < E:
-            if tx < ST:
-                for e in [e for e in range(E) if not e & (1 << j)]:
-                    a = sv[e]
-                    b = sv[e + (1 << j)]
-                    down = (((tx * E + e) >> (s + 1)) & 1) == 0
-                    sv[e] = T.if_then_else(down, T.max(a, b), T.min(a, b))
-                    sv[e + (1 << j)] = T.if_then_else(down, T.min(a, b), T.max(a, b))
-        elif (1 << j) < WARP * E:
-            if tx < ST:
-                for e in list(range(E)):
-                    a = sv[e]
-                    b = T.shfl_xor(a, (1 << j) // E)
-                    i = tx * E + e
-                    sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
-        else:
-            if tx < ST:
-                for e in list(range(E)):
-                    xb[buf, tx * E + e] = sv[e]
-            T.sync_threads()
-            if tx < ST:
-                for e in list(range(E)):
-                    a = sv[e]
-                    i = tx * E + e
-                    b = xb[buf, i ^ (1 << j)]
-                    sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
-            if ring == 1:
-                T.sync_threads()  # one buffer: the next stage's writes wait for these reads
 
-    @T.macro
-    def write_out(O, P, TOK, r, sv, xb, tx, block_size, expand):
-        """Ids, -1 past the valid keys; with `expand`, each block's tokens and the row's tail tokens. The sorted
-        pairs go through shared memory first, so that consecutive threads write consecutive ids and tokens: from
-        the registers a thread would write its E ids and their E * block_size tokens, and a warp's stores would
-        stride over E * block_size words (partial-sector writes, each sector many times)."""
-        if tx < ST:
-            for e in list(range(E)):
-                xb[out_buf, tx * E + e] = sv[e]
+@T.macro
+def _gather_in_order(plan, keys, counts, xb, tx, lane, wid, lo, hi, take, x: T.Ref, y: T.Ref, acc: T.Ref):
+    """The pairs of the keys above hi and of the first `take` keys in [lo, hi] (ties at one key value, more
+    than the sort holds: the lower ids win) into xb[0], in id order: a ballot-and-scan gives the slots."""
+    for i in T.unroll(plan.per):
+        u = keys[plan.at(i, tx)]
+        above = T.ballot(u > hi)
+        inside = T.ballot((u >= lo) & (u <= hi))
+        if lane == 0:
+            counts[i * plan.nw + wid] = (T.Cast("int32", T.popcount(above)) << 16) | T.Cast("int32", T.popcount(inside))
+    T.sync_threads()
+    if wid == 0:
+        # exclusive scan of the packed (above, inside) counts, in id order (key group-major, then warp)
+        x = 0
+        for j in T.unroll(plan.groups_per_lane):
+            x += counts[lane * plan.groups_per_lane + j]
+        acc = x
+        _warp_scan(x, y, lane, False)
+        acc = x - acc
+        for j in T.unroll(plan.groups_per_lane):
+            c0 = counts[lane * plan.groups_per_lane + j]
+            counts[lane * plan.groups_per_lane + j] = acc
+            acc += c0
+    T.sync_threads()
+    lanes_below = (_u64(1) << T.Cast("uint64", lane)) - _u64(1)
+    for i in T.unroll(plan.per):
+        u = keys[plan.at(i, tx)]
+        is_above = u > hi
+        is_inside = (u >= lo) & (u <= hi)
+        above = T.ballot(is_above)
+        inside = T.ballot(is_inside)
+        before = counts[i * plan.nw + wid]
+        n_above = (before >> 16) + T.Cast("int32", T.popcount(above & lanes_below))
+        n_inside = (before & 0xFFFF) + T.Cast("int32", T.popcount(inside & lanes_below))
+        if is_above | (is_inside & (n_inside < take)):
+            xb[0, n_above + T.min(n_inside, take)] = _pair(u, i * plan.threads + tx)
+    T.sync_threads()
+
+
+@T.macro
+def _sort_stage(plan, sv, xb, tx, s, j, buf):
+    """One compare-exchange stage of the descending bitonic sort (key high, complemented id low: lower ids
+    first among ties) of sorting thread t's pairs t * E .. t * E + E - 1. Strides below E stay in the thread's
+    registers, strides below a warp's 32 E go by shuffles, wider ones through shared memory, a barrier each
+    (every thread at it). Pair i keeps the larger of it and its partner where bit j of i equals bit s + 1
+    (the upper of a descending block, the lower of an ascending one)."""
+    if (1 << j) < plan.E:
+        if tx < plan.ST:
+            for e in [e for e in range(plan.E) if not e & (1 << j)]:
+                a = sv[e]
+                b = sv[e + (1 << j)]
+                down = (((tx * plan.E + e) >> (s + 1)) & 1) == 0
+                sv[e] = T.if_then_else(down, T.max(a, b), T.min(a, b))
+                sv[e + (1 << j)] = T.if_then_else(down, T.min(a, b), T.max(a, b))
+    elif (1 << j) < WARP * plan.E:
+        if tx < plan.ST:
+            for e in list(range(plan.E)):
+                a = sv[e]
+                b = T.shfl_xor(a, (1 << j) // plan.E)
+                i = tx * plan.E + e
+                sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
+    else:
+        if tx < plan.ST:
+            for e in list(range(plan.E)):
+                xb[buf, tx * plan.E + e] = sv[e]
         T.sync_threads()
-        for c in T.serial(T.ceildiv(K, threads)):
-            q = c * threads + tx
-            if q < K:
-                O[r, q] = _pair_id(xb[out_buf, q])
-        if expand != 0:
-            pos = P[r]
-            for c in T.serial(T.ceildiv(K * block_size + block_size - 1, threads)):
-                q = c * threads + tx
-                if q < K * block_size:
-                    TOK[r, q] = _block_token(_pair_id(xb[out_buf, T.truncdiv(q, block_size)]), T.truncmod(q, block_size),
-                                             block_size)
-                elif q < K * block_size + block_size - 1:
-                    TOK[r, q] = _tail_token(pos, q - K * block_size, block_size)
+        if tx < plan.ST:
+            for e in list(range(plan.E)):
+                a = sv[e]
+                i = tx * plan.E + e
+                b = xb[buf, i ^ (1 << j)]
+                sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
+        if plan.ring == 1:
+            T.sync_threads()  # one buffer: the next stage's writes wait for these reads
+
+
+@T.macro
+def _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand):
+    """Ids, -1 past the valid keys; with `expand`, each block's tokens and the row's tail tokens. The sorted
+    pairs go through shared memory first, so that consecutive threads write consecutive ids and tokens: from
+    the registers a thread would write its E ids and their E * block_size tokens, and a warp's stores would
+    stride over E * block_size words (partial-sector writes, each sector many times)."""
+    if tx < plan.ST:
+        for e in list(range(plan.E)):
+            xb[plan.out_buf, tx * plan.E + e] = sv[e]
+    T.sync_threads()
+    for c in T.serial(T.ceildiv(K, plan.threads)):
+        q = c * plan.threads + tx
+        if q < K:
+            O[r, q] = _pair_id(xb[plan.out_buf, q])
+    if expand != 0:
+        pos = P[r]
+        for c in T.serial(T.ceildiv(K * block_size + block_size - 1, plan.threads)):
+            q = c * plan.threads + tx
+            if q < K * block_size:
+                TOK[r, q] = _block_token(_pair_id(xb[plan.out_buf, T.truncdiv(q, block_size)]), T.truncmod(q, block_size),
+                                         block_size)
+            elif q < K * block_size + block_size - 1:
+                TOK[r, q] = _tail_token(pos, q - K * block_size, block_size)
+
+
+def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
+    R, N, K, RP, RT, W = T.dynamic("R N K RP RT W")
+    ssr, ssn, sor, soc, spr, str_, stc = T.dynamic("ssr ssn sor soc spr str_ stc", "int64")
+    plan = _plan(max_keys, threads, min_blocks, sort_mult, kpow)
+    n_sort, E, ST = plan.n_sort, plan.E, plan.ST
 
     @T.prim_func
     def main(
@@ -335,35 +382,10 @@ def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
             tx = T.get_thread_binding()
             lane = tx % WARP
             wid = tx // WARP
-            # one arena for the radix histogram and the sort's exchange buffers, which are never live together (a
-            # barrier apart): left to TileLang's allocator, the two took separate space at sorts of 1024 pairs and
-            # up (its merge reuses a freed block of about the new one's size), 16 KB more a CTA
-            arena = T.alloc_shared((arena_pairs,), "uint64")
-            hist = T.view(arena, (2 * arena_pairs,), "int32")
-            xb = T.view(arena, (arena_pairs // n_sort, n_sort), "uint64")
-            counts = T.alloc_shared((max_keys // WARP,), "int32")
-            part = T.alloc_shared((4, nw), "uint32")
-            found = T.alloc_shared((4,), "int32")
-            vals = T.alloc_local((per,), "float32")
-            if in_regs:
-                keys = T.alloc_local((per,), "uint32")
-            else:
-                keys = T.alloc_shared((max_keys,), "uint32")
-            sv = T.alloc_local((E,), "uint64")
-            n_valid = T.alloc_var("int32")
-            kmin = T.alloc_var("uint32")
-            kmax = T.alloc_var("uint32")
-            lo = T.alloc_var("uint32")
-            hi = T.alloc_var("uint32")
-            remaining = T.alloc_var("int32")
-            n_inside = T.alloc_var("int32")
-            take = T.alloc_var("int32")
-            done = T.alloc_var("int32")
-            acc = T.alloc_var("int32")
-            x = T.alloc_var("int32")
-            y = T.alloc_var("int32")
+            (arena, hist, xb, counts, part, found, vals, keys, sv,
+             n_valid, kmin, kmax, lo, hi, remaining, n_inside, take, done, acc, x, y) = _alloc(plan)
 
-            row_keys(S, r, tx, lane, wid, vals, keys, part, n_valid, kmin, kmax)
+            _row_keys(plan, S, r, tx, lane, wid, vals, keys, part, n_valid, kmin, kmax)
             # `take`: how many keys inside [lo, hi] join the sort (by id order) beside every key above hi
             lo = kmin
             hi = kmax
@@ -377,25 +399,25 @@ def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
                         take = remaining  # ties: the first `remaining` in id order
                         done = 1
                     else:
-                        radix_round(keys, hist, part, found, tx, lane, wid, lo, hi, remaining, n_inside, take, done,
-                                    acc, x, y)
+                        _radix_round(plan, K, keys, hist, part, found, tx, lane, wid, lo, hi, remaining, n_inside, take, done,
+                                     acc, x, y)
             if tx == 0:
                 found[3] = 0
             T.sync_threads()  # the round's buffers are dead: the sort's may overlay them
             if take == n_inside:
-                gather(keys, xb, found, tx, lane, lo, x)
+                _gather(plan, keys, xb, found, tx, lane, lo, x)
             else:
-                gather_in_order(keys, counts, xb, tx, lane, wid, lo, hi, take, x, y, acc)
+                _gather_in_order(plan, keys, counts, xb, tx, lane, wid, lo, hi, take, x, y, acc)
             # pairs past the selected ones (the keys above the range and `take` inside it) sort last
             total = K - remaining + take
             if tx < ST:
                 for e in list(range(E)):
                     sv[e] = T.if_then_else(tx * E + e < total, xb[0, tx * E + e], _u64(0))
-            if ring == 1:
+            if plan.ring == 1:
                 T.sync_threads()
-            for s, j, buf in stages:
-                sort_stage(sv, xb, tx, s, j, buf)
-            write_out(O, P, TOK, r, sv, xb, tx, block_size, expand)
+            for s, j, buf in plan.stages:
+                _sort_stage(plan, sv, xb, tx, s, j, buf)
+            _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand)
 
     return main
 

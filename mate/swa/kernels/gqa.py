@@ -99,6 +99,7 @@ runs this kernel, cuDNN's and FlashAttention-3's at its 700 W limit
 
 import tilelang.language as T
 
+from mate._tl import assume_aligned
 from mate.swa.kernels.gqa_card import WINDOWS
 LN2 = 0.6931471805599453
 
@@ -303,23 +304,6 @@ def _attend(Q, K, V, O, LSE, Sinks, Q_s, K_s, V_s, O_s, acc_s, acc_p, acc_o, m_r
         _store_ext(O, LSE, Sinks, O_s, acc_o, m_off, l_run, m_prev, row_sum, alpha, qb, by, qoff, m0, Sq, block_m, dim, sinks, varlen)
 
 
-@T.macro
-def _aligned(sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh):
-    """The wrapper checks the layout rule (16-byte aligned strides)."""
-    T.assume(sqb % 8 == 0)
-    T.assume(sqs % 8 == 0)
-    T.assume(sqh % 8 == 0)
-    T.assume(skb % 8 == 0)
-    T.assume(sks % 8 == 0)
-    T.assume(skh % 8 == 0)
-    T.assume(svb % 8 == 0)
-    T.assume(svs % 8 == 0)
-    T.assume(svh % 8 == 0)
-    T.assume(sob % 8 == 0)
-    T.assume(sos % 8 == 0)
-    T.assume(soh % 8 == 0)
-
-
 def _alloc(block_m, block_n, dim, dtype, accum):
     """The CTA's buffers: Q, K, V and O tiles in shared memory, S, P and O (FP32) and the per-row softmax state."""
     return (
@@ -350,21 +334,21 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
         "sqb sqs sqh skb sks skh svb svs svh sob sos soh", "int64"
     )
 
+    # The tensors both programs take first (q, k, v, out, LSE); the wrapper checks the layout rule (16-byte aligned
+    # strides) of each.
+    q_t = T.StridedTensor((B, Sq, H, dim), (sqb, sqs, sqh, 1), dtype)
+    k_t = T.StridedTensor((B, Sk, Hkv, dim), (skb, sks, skh, 1), dtype)
+    v_t = T.StridedTensor((B, Sk, Hkv, dim), (svb, svs, svh, 1), dtype)
+    o_t = T.StridedTensor((B, Sq, H, dim), (sob, sos, soh, 1), dtype)
+    lse_t = T.Tensor((B, H, Sq), accum)
+    strides = (sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh)
+
     @T.prim_func
-    def main(
-        Q: T.StridedTensor((B, Sq, H, dim), (sqb, sqs, sqh, 1), dtype),
-        K: T.StridedTensor((B, Sk, Hkv, dim), (skb, sks, skh, 1), dtype),
-        V: T.StridedTensor((B, Sk, Hkv, dim), (svb, svs, svh, 1), dtype),
-        O: T.StridedTensor((B, Sq, H, dim), (sob, sos, soh, 1), dtype),
-        LSE: T.Tensor((B, H, Sq), accum),
-        scale_log2: T.float32,
-        left: T.int32,
-        right: T.int32,
-    ):
+    def main(Q: q_t, K: k_t, V: v_t, O: o_t, LSE: lse_t, scale_log2: T.float32, left: T.int32, right: T.int32):
         with T.Kernel(T.ceildiv(Sq, block_m), H, B, threads=threads) as (bx, by, bz):
             Q_s, K_s, V_s, O_s, acc_s, acc_p, acc_o, m_run, m_prev, m_off, alpha, row_sum, l_run = _alloc(block_m, block_n, dim, dtype, accum)
 
-            _aligned(sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh)
+            assume_aligned(*strides)
             _attend(Q, K, V, O, LSE, None, Q_s, K_s, V_s, O_s, acc_s, acc_p, acc_o, m_run, m_prev, m_off, alpha, row_sum, l_run,
                     bx, by, bz, bz, T.ceildiv(Sq, block_m), None, None, Sq, Sk, None, H, Hkv, left, right, scale_log2,
                     varlen=False, sinks=False, cap=None, **opts)
@@ -381,11 +365,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
 
     @T.prim_func
     def ext(
-        Q: T.StridedTensor((B, Sq, H, dim), (sqb, sqs, sqh, 1), dtype),
-        K: T.StridedTensor((B, Sk, Hkv, dim), (skb, sks, skh, 1), dtype),
-        V: T.StridedTensor((B, Sk, Hkv, dim), (svb, svs, svh, 1), dtype),
-        O: T.StridedTensor((B, Sq, H, dim), (sob, sos, soh, 1), dtype),
-        LSE: T.Tensor((B, H, Sq), accum),
+        Q: q_t, K: k_t, V: v_t, O: o_t, LSE: lse_t,
         CuQ: T.Tensor((NQ,), "int32"),
         CuK: T.Tensor((NK,), "int32"),
         Sinks: T.Tensor((HS,), accum),
@@ -398,7 +378,7 @@ def gqa_fwd(dtype, dim, window, block_m, block_n, threads, num_stages, mma_depth
     ):
         with T.Kernel(T.ceildiv(max_seqlen_q if varlen else Sq, block_m), H, NQ - 1 if varlen else B, threads=threads) as (bx, by, bz):
             Q_s, K_s, V_s, O_s, acc_s, acc_p, acc_o, m_run, m_prev, m_off, alpha, row_sum, l_run = _alloc(block_m, block_n, dim, dtype, accum)
-            _aligned(sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh)
+            assume_aligned(*strides)
             if varlen:
                 _attend(Q, K, V, O, LSE, Sinks, Q_s, K_s, V_s, O_s, acc_s, acc_p, acc_o, m_run, m_prev, m_off, alpha, row_sum, l_run,
                         bx, by, 0, 0, T.ceildiv(max_seqlen_q, block_m), CuQ[bz], CuK[bz], CuQ[bz + 1] - CuQ[bz], CuK[bz + 1] - CuK[bz],

@@ -59,6 +59,7 @@ unsplit): 0.556-0.560 ms dense (89-90%), (4096, 0) 0.288 ms (87%); 8 rows 0.613 
 
 import tilelang.language as T
 
+from mate._tl import alloc_vars, assume_aligned
 from mate.swa.kernels.gqa import LN2, LOG2E, NEG_INF, online_softmax
 
 # TileLang lowers the T.tma_copy's (TMA lowering stays on); no warp specialization (one warpgroup issues the
@@ -201,22 +202,6 @@ def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h
             LSE[row_q[i], row_h[i]] = T.if_then_else(l_fin[i] > 0, (m_fin[i] + T.log2(l_fin[i])) * LN2, NEG_INF)
 
 
-@T.macro
-def _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh):
-    """The wrapper checks the layout rule (16-byte aligned strides), which 16-byte cp.async and the TMA tensor
-    maps (strides in multiples of 16 bytes) both need, and 16-byte stores of the output."""
-    T.assume(sqr % 8 == 0)
-    T.assume(sqh % 8 == 0)
-    T.assume(skp % 8 == 0)
-    T.assume(sks % 8 == 0)
-    T.assume(skh % 8 == 0)
-    T.assume(svp % 8 == 0)
-    T.assume(svs % 8 == 0)
-    T.assume(svh % 8 == 0)
-    T.assume(sor % 8 == 0)
-    T.assume(soh % 8 == 0)
-
-
 def _alloc(block_m, block_n, dim, num_stages, dtype):
     """Q, the K/V ring, its page ids and slots (num_stages + 1 tiles: one more than the ring, filled a tile
     ahead) and the per-row metadata in shared memory; the next tile's block_table entries, S, P and O and the
@@ -266,19 +251,10 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
         with T.Kernel(T.ceildiv(packed_rows, block_m), Hkv, B * num_splits, threads=threads) as (bx, kvh, bz):
             (Q_s, K_s, V_s, pg, sl, next_page, row_q, row_h, row_pos, acc_s, acc_p, acc_o,
              m_run, m_prev, m_off, alpha, row_sum, l_run) = _alloc(block_m, block_n, dim, num_stages, dtype)
-            _aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh)
-            b = T.alloc_var("int32")
-            split = T.alloc_var("int32")
-            group = T.alloc_var("int32")
-            q0 = T.alloc_var("int32")
-            sq = T.alloc_var("int32")
-            sk = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            t0 = T.alloc_var("int32")
-            n = T.alloc_var("int32")
-            k_lo = T.alloc_var("int32")
-            mode = T.alloc_var("int32")
+            # The wrapper checks the layout rule (16-byte aligned strides), which 16-byte cp.async and the TMA tensor
+            # maps (strides in multiples of 16 bytes) both need, and 16-byte stores of the output.
+            assume_aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh)
+            b, split, group, q0, sq, sk, lo, hi, t0, n, k_lo, mode = alloc_vars(12)
             # Per ring stage: the tile landed (one arrival by the elected thread, plus the TMA bytes of a TMA tile).
             bars = T.alloc_barrier([1] * num_stages)
             b = T.truncdiv(bz, num_splits)
