@@ -54,6 +54,14 @@ tiles of its two kernels.
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
   python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--probe] [--out FILE]
   python benchmarks/bench_nsa.py --train --compile-only JOBS   (the kernels of the line above, into the disk cache)
+  python benchmarks/bench_nsa.py --queries 4 8 [--fla] [--no-dense] [--lengths 65536] [--heads 128:8]
+  python benchmarks/bench_nsa.py --queries 4 8 --compile-only JOBS   (the shared kernels, into the disk cache)
+
+--queries W ... (forward) also times the shared program (mate/nsa/kernels/selection_shared.py: a CTA of W
+queries gathers the union of their blocks once; not in the shipped configs) at each W, on the same
+inputs, with SHARED_TILES[W], through a patched config (queries = W), checked on the tail like the
+shipped kernel; --fla times FLA's forward (fla-core's ParallelNSAFunction, H/G >= 16, a power of 2)
+beside; the table after the main one gives W = 1, each W, FLA, and the GB each W gathers.
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ from overrides import compile_kernels, shipped_tiles
 D, T_SEL, BS = 128, 16, 64
 KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS
 DTYPE = torch.bfloat16
+# The shared program's tiles at each W (--queries): one consumer warpgroup; 2 CTAs an SM up to W = 4 (the
+# producer gives registers to the consumer: setmaxnreg), 1 at W = 8 (255 registers for 8 queries' state).
+SHARED_TILES = {W: dict(head_tile=16, threads=128, num_stages=2, min_blocks=2 if W <= 4 else 1, queries=W) for W in (2, 4, 8)}
 REPORT = dict(stage="nsa_selection", quick=["--lengths", "8192", "16384", "32768", "--heads", "128:8"], full=[])
 
 
@@ -237,7 +248,40 @@ def shared_pct(row, W) -> float:
     return 100 * (1 - g[W] / g[1]) if g[1] else 0.0
 
 
-def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D, selection="uniform"):
+def fla_forward_ms(q, k, v, idx, T):
+    """FLA's selection forward (fla-core's ParallelNSAFunction under no_grad) in ms, or an error string."""
+    try:
+        from fla.ops.nsa.parallel import ParallelNSAFunction
+
+        def fwd():
+            with torch.no_grad():
+                return ParallelNSAFunction.apply(q, k, v, idx, T, BS, D ** -0.5, None)
+
+        fwd()
+        torch.cuda.synchronize()
+        return median_ms(fwd)
+    except Exception as e:  # the baseline is context, never a reason to lose mate's numbers
+        return repr(e)[:200]
+
+
+def run_shared(row, call, check, out, queries):
+    """Time the shared program at each W of `queries` on the row's inputs (call / check: the shipped kernel's)."""
+    row["shared"] = {}
+    for W in queries:
+        tiles = SHARED_TILES[W]
+        try:
+            with using_tiles("sm90", "nsa_selection", KEY, tiles):
+                out.fill_(float("nan"))
+                call()
+                torch.cuda.synchronize()
+                r = dict(tiles=tiles, rel_err=check(), ms=median_ms(call))
+        except Exception as e:  # a failing candidate is reported, never chosen
+            r = dict(tiles=tiles, error=repr(e)[:300])
+        row["shared"][W] = r
+        print("shared", W, json.dumps(r), flush=True)
+
+
+def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D, selection="uniform", queries=(), fla=False):
     B = 1
     q = torch.randn(B, L, H, D, device="cuda").to(DTYPE)
     k = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
@@ -257,6 +301,12 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D, selection="uniform")
                used_slots=used, gathered_GB=gathered / 1e9, gathered_GBps=gathered / ms / 1e6, compulsory_GB=compulsory / 1e9,
                gathered_GB_at_W=gathered_by_width(idx, L, D, q.element_size()),
                per_slot_ns=ms * 1e6 / (used / 1), dense_ms={}, dense_note={}, speedup={})
+    for W in queries:
+        row["gathered_GB_at_W"].setdefault(W, gathered_bytes(idx, L, BS, D, W, q.element_size()) / 1e9)
+    if queries and D == 128 and not hot:
+        run_shared(row, call, lambda: check_tail(q, k, v, idx, out, lse), out, queries)
+    if fla and H // G >= 16 and (H // G) & (H // G - 1) == 0:
+        row["fla_fwd_ms"] = fla_forward_ms(q, k, v, idx, T)
     if dense:
         for name in ("cudnn", "flash"):
             t, note = dense_ms(q, k, v, name)
@@ -515,6 +565,10 @@ def main(argv=None):
     ap.add_argument("--train", action="store_true", help="forward + backward beside FLA")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--T", type=int, default=T_SEL)
+    ap.add_argument("--queries", type=int, nargs="*", default=[], choices=sorted(SHARED_TILES),
+                    help="forward: also time the shared program at these W (a CTA of W queries)")
+    ap.add_argument("--fla", action="store_true", help="forward: time FLA's selection forward beside")
+    ap.add_argument("--no-dense", action="store_true", help="forward: skip the dense SDPA baselines")
     ap.add_argument("--selection", choices=("uniform", "smooth", "both"), default="both",
                     help="the selection generator(s): every table has a row of each")
     ap.add_argument("--compile-only", type=int, metavar="JOBS", help="with --train: compile its kernels in JOBS processes and stop")
@@ -522,13 +576,18 @@ def main(argv=None):
     torch.manual_seed(0)
     if a.train and a.compile_only:
         return precompile_train(a.compile_only)
+    if a.compile_only:
+        todo = [("nsa_selection", KEY, SHARED_TILES[W], True) for W in a.queries]
+        for (stage, _, tiles, _), (_, error) in compile_kernels(todo, a.compile_only):
+            print("compiled", stage, tiles, error or "ok", flush=True)
+        return None
     if a.train:
         return train_main(a)
     res = dict(
         environment(),
         cudnn=torch.backends.cudnn.version(),
         setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices=SETUP_INDICES, selections=selections(a),
-                   tiles=shipped_tiles("sm90", "nsa_selection", KEY)),
+                   tiles=shipped_tiles("sm90", "nsa_selection", KEY), shared_tiles={W: SHARED_TILES[W] for W in a.queries}),
         copy_TBps=copy_tbps(),
         rows=[],
     )
@@ -536,7 +595,8 @@ def main(argv=None):
         for hg in a.heads:
             H, G = map(int, hg.split(":"))
             for L in a.lengths:
-                res["rows"].append(run_shape(L, H, G, dense=i == 0, selection=sel))  # dense attention: once a shape
+                # dense attention: once a shape
+                res["rows"].append(run_shape(L, H, G, dense=i == 0 and not a.no_dense, selection=sel, queries=a.queries, fla=a.fla))
     if a.probe:
         probe = []
         for T in (1, 4):
@@ -560,6 +620,17 @@ def main(argv=None):
         print(f"{r['selection']:>9} {r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>9.3f} {fmt(c)} {fmt(f)} {fmt(sc, '8.1f')} {fmt(sf, '8.1f')} "
               f"{r['gathered_GBps']:>10.0f} {r['gathered_GB_at_W'][1]:>7.1f} {shared_pct(r, 4):>6.1f}% {shared_pct(r, 8):>6.1f}% "
               f"{shared_pct(r, 16):>7.1f}% {r['rel_err']:>8.1e}")
+    if a.queries or a.fla:
+        print(f"\n{'selection':>9} {'H':>4} {'G':>2} {'L':>7} {'W=1 ms':>8} " + " ".join(f"{f'W={W} ms':>8}" for W in a.queries)
+              + f" {'FLA ms':>8} {'GB W=1':>7} " + " ".join(f"{f'GB W={W}':>7}" for W in a.queries) + "  err")
+        for r in res["rows"]:
+            sh = r.get("shared", {})
+            ms = " ".join(f"{sh[W]['ms']:>8.3f}" if "ms" in sh.get(W, {}) else f"{'failed':>8}" for W in a.queries)
+            f = r.get("fla_fwd_ms")
+            gb = " ".join(f"{r['gathered_GB_at_W'][W]:>7.1f}" for W in a.queries)
+            errs = {W: (f"{sh[W]['rel_err']:.1e}" if "rel_err" in sh.get(W, {}) else sh.get(W, {}).get("error", "")) for W in a.queries}
+            print(f"{r['selection']:>9} {r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>8.3f} {ms} "
+                  f"{f if isinstance(f, str) else format(f, '8.3f') if f is not None else '-':>8} {r['gathered_GB_at_W'][1]:>7.1f} {gb}  {errs}")
     for r in res.get("probe", []):
         print(f"probe T={r['T']} D={r['D']} {r['selection']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
     for r in res.get("l2_gather_probe", {}).get("rows", []):

@@ -85,7 +85,7 @@ def test_tables_and_figures_have_a_row_of_each_selection(monkeypatch, tmp_path, 
     """main() and figures() on fake rows (the timing needs a GPU): one row per selection, the shared bytes printed."""
     seen = []
 
-    def fake_shape(L, H, G, T=16, hot=False, dense=True, D=128, selection="uniform"):
+    def fake_shape(L, H, G, T=16, hot=False, dense=True, D=128, selection="uniform", queries=(), fla=False):
         seen.append((selection, dense))
         gb = {1: 273.0, 4: 250.0, 8: 226.0, 16: 195.0} if selection == "uniform" else {1: 273.0, 4: 86.0, 8: 48.0, 16: 28.0}
         return dict(L=L, H=H, G=G, D=D, T=T, hot=hot, selection=selection, ms=29.0, rel_err=1e-3, gathered_GBps=9e3,
@@ -102,3 +102,22 @@ def test_tables_and_figures_have_a_row_of_each_selection(monkeypatch, tmp_path, 
     assert set(figs[0]["lines"]) == {"mate", "mate (smooth selection)", "dense causal SDPA (cudnn)"} | ({"dense causal SDPA (flash)"} & set(figs[0]["lines"]))
     assert bench_nsa.main(["--selection", "smooth", "--lengths", "8192", "--heads", "128:8", "--out", str(tmp_path / "s.json")])
     assert seen[-1] == ("smooth", True)
+
+
+def test_shared_table(monkeypatch, tmp_path, capsys):
+    """--queries: the table of the shared program's times beside W = 1 and FLA (fake rows)."""
+
+    def fake_shape(L, H, G, T=16, hot=False, dense=True, D=128, selection="uniform", queries=(), fla=False):
+        assert queries == [4, 8] and fla and not dense
+        return dict(L=L, H=H, G=G, D=D, T=T, hot=hot, selection=selection, ms=29.0, rel_err=1e-3, gathered_GBps=9e3,
+                    gathered_GB_at_W={1: 273.0, 4: 86.0, 8: 48.0, 16: 28.0}, dense_ms={}, speedup={}, fla_fwd_ms=41.7,
+                    shared={4: dict(ms=12.5, rel_err=2e-3), 8: dict(error="RuntimeError('x')")})
+
+    monkeypatch.setattr(bench_nsa, "run_shape", fake_shape)
+    monkeypatch.setattr(bench_nsa, "environment", lambda: dict(gpu="fake", commit="x"))
+    monkeypatch.setattr(bench_nsa, "copy_tbps", lambda: 4.0)
+    bench_nsa.main(["--lengths", "65536", "--heads", "128:8", "--queries", "4", "8", "--fla", "--no-dense", "--selection", "smooth",
+                    "--out", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "W=4 ms" in out and "12.500" in out and "failed" in out and "41.700" in out and "  48.0" in out
+    assert set(bench_nsa.SHARED_TILES) == {2, 4, 8}
