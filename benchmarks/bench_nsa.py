@@ -1,8 +1,21 @@
 """NSA selection forward benchmark: native TileLang vs dense causal SDPA (cuDNN and flash backends).
 
-Indices are drawn as the public NSA benchmarks draw them: for each query and
-KV group, T distinct random blocks among the causally visible ones (blocks
-whose first token is at or before the query), sorted, -1 where fewer exist.
+Two selection generators (--selection uniform|smooth|both; both by default, and every table has
+a row of each):
+- uniform: as the public NSA benchmarks draw them: for each query and KV group, T distinct
+  random blocks among the causally visible ones (blocks whose first token is at or before the
+  query), sorted, -1 where fewer exist (mate.tuning.workloads.draw_block_indices). The worst
+  case for sharing: 8 consecutive queries have 17% of their blocks in common at the seed shape.
+- smooth: real-looking selections (smooth_block_indices, whose docstring defines them exactly):
+  per (query, group) block scores from a random field interpolated every 64 queries plus small
+  per-query noise, causal, the first block and the two blocks ending at the query always
+  selected, top T. As NSA's own compression branch selects, neighbouring queries pick mostly
+  the same blocks: 82% shared at W = 8, 90% at W = 16 at the seed shape.
+
+Gathered bytes at CTA width W (gathered_bytes): the K/V bytes a kernel gathers when each CTA of
+W consecutive queries of one KV group gathers the union of their selected blocks once. W = 1 is
+the shipped kernel (every used slot, a duplicate each time); the rows report W = 1, 4, 8, 16 and
+the tables the fraction W = 8 and 16 save.
 
 Shapes (issue 5): B=1, M=N=L, D=128, T=16, block_size=64, BF16, for
 (H, G) in (128, 8), (64, 8), (64, 4) and L in 8192, 16384, 32768, 65536,
@@ -41,6 +54,14 @@ tiles of its two kernels.
   python benchmarks/bench_nsa.py [--lengths 8192 65536] [--heads 128:8] [--probe] [--out FILE]
   python benchmarks/bench_nsa.py --train [--lengths 65536] [--heads 128:8 64:4] [--no-fla] [--probe] [--out FILE]
   python benchmarks/bench_nsa.py --train --compile-only JOBS   (the kernels of the line above, into the disk cache)
+  python benchmarks/bench_nsa.py --queries 4 8 [--fla] [--no-dense] [--lengths 65536] [--heads 128:8]
+  python benchmarks/bench_nsa.py --queries 4 8 --compile-only JOBS   (the shared kernels, into the disk cache)
+
+--queries W ... (forward) also times the shared program (mate/nsa/kernels/selection_shared.py: a CTA of W
+queries gathers the union of their blocks once; not in the shipped configs) at each W, on the same
+inputs, with SHARED_TILES[W], through a patched config (queries = W), checked on the tail like the
+shipped kernel; --fla times FLA's forward (fla-core's ParallelNSAFunction, H/G >= 16, a power of 2)
+beside; the table after the main one gives W = 1, each W, FLA, and the GB each W gathers.
 """
 
 from __future__ import annotations
@@ -60,7 +81,123 @@ from overrides import compile_kernels, shipped_tiles
 D, T_SEL, BS = 128, 16, 64
 KEY = f"dtype=bfloat16,dim={D},block_size={BS}"  # the config key of the stages at D and BS
 DTYPE = torch.bfloat16
+# The shared program's tiles at each W (--queries): one consumer warpgroup; 2 CTAs an SM up to W = 4 (the
+# producer gives registers to the consumer: setmaxnreg), 1 at W = 8 (255 registers for 8 queries' state).
+SHARED_TILES = {W: dict(head_tile=16, threads=128, num_stages=2, min_blocks=2 if W <= 4 else 1, queries=W) for W in (2, 4, 8)}
 REPORT = dict(stage="nsa_selection", quick=["--lengths", "8192", "16384", "32768", "--heads", "128:8"], full=[])
+
+
+# ---------------------------------------------------------------- selections: the uniform and the smooth generator
+
+SELECTIONS = ("uniform", "smooth")
+SMOOTH_INTERVAL = 64  # queries between two anchors of the smooth field
+SMOOTH_NOISE = 0.1  # standard deviation of the per-query noise (the field's is 1)
+SMOOTH_CHUNK = 2048  # queries drawn at a time (fixed: it orders the generator's stream)
+
+
+def smooth_block_indices(B, M, N, G, T, bs, seed=0, device="cpu", interval=SMOOTH_INTERVAL, noise=SMOOTH_NOISE):
+    """Real-looking NSA selections: [B, M, G, T] int32, sorted, -1 where fewer than T blocks are visible.
+
+    Per (query m, group g), block j's score is a random field interpolated along the queries plus a little
+    per-query noise, so that neighbouring queries rank the blocks alike (as NSA's compressed-attention
+    scores do):
+
+        F = randn(B, A, G, n_blocks)             A = M // interval + 2 anchors, anchor a at query a * interval
+        score[b, m, g, j] = lerp(F[b, a, g, j], F[b, a + 1, g, j], w) + noise * Z[b, m, g, j]
+                            a = m // interval, w = (m % interval) / interval, Z standard normal
+
+    (interval 64, noise 0.1), drawn from one CPU torch.Generator seeded with `seed`: F first, then Z of
+    queries [m0, m0 + SMOOTH_CHUNK) for m0 = 0, SMOOTH_CHUNK, ... as randn(B, chunk, G, n_blocks). Causal
+    (bottom-right aligned, query m at position p = N - M + m): only blocks j <= p // bs are candidates, and
+    the first block (0) and the two blocks ending at the query (p // bs and p // bs - 1) are always
+    selected (score +inf); the top T of the rest fill the row. Query positions p < 0 select nothing.
+    """
+    n_blocks = -(-N // bs)
+    gen = torch.Generator().manual_seed(seed)
+    A = M // interval + 2
+    field = torch.randn(B, A, G, n_blocks, generator=gen)
+    idx = torch.full((B, M, G, T), -1, dtype=torch.int32)
+    blocks = torch.arange(n_blocks)
+    for m0 in range(0, M, SMOOTH_CHUNK):
+        m1 = min(M, m0 + SMOOTH_CHUNK)
+        m = torch.arange(m0, m1)
+        noise_c = torch.randn(B, m1 - m0, G, n_blocks, generator=gen)  # drawn whole, whatever is visible
+        last = torch.div(N - M + m, bs, rounding_mode="floor").clamp_max(n_blocks - 1)  # < 0: nothing visible
+        cols = int(last.max()) + 1  # the chunk's candidates are blocks 0 .. cols - 1
+        if cols <= 0:
+            continue
+        a, w = m // interval, ((m % interval).float() / interval).view(1, -1, 1, 1)
+        score = torch.lerp(field[:, a, :, :cols], field[:, a + 1, :, :cols], w)
+        score.add_(noise_c[..., :cols], alpha=noise)
+        # Blocks past a query and the forced ones lie in the window lo .. cols - 1 (and block 0).
+        lo = max(int(last.min()) - 1, 0)
+        win, lw = blocks[lo:cols].view(1, -1), last.view(-1, 1)
+        sub = score[..., lo:cols]
+        sub.masked_fill_(((win == lw) | (win == lw - 1)).view(1, -1, 1, cols - lo), float("inf"))
+        sub.masked_fill_((win > lw).view(1, -1, 1, cols - lo), float("-inf"))
+        score[..., 0].masked_fill_((last >= 0).view(1, -1, 1), float("inf"))
+        k = min(T, cols)
+        val, sel = score.topk(k, dim=-1)
+        sel = torch.where(val > float("-inf"), sel, n_blocks).sort(-1).values  # invisible picks sort last
+        idx[:, m0:m1, :, :k] = torch.where(sel >= n_blocks, -1, sel).to(torch.int32)
+    return idx.to(device)
+
+
+SETUP_INDICES = ("uniform: T distinct random visible blocks, sorted, -1 pads; smooth: smooth_block_indices (seed 0), "
+                 "a field interpolated every 64 queries + 0.1 noise, blocks 0 and the two ending at the query forced, top T")
+
+
+def selections(a) -> tuple[str, ...]:
+    return SELECTIONS if a.selection == "both" else (a.selection,)
+
+
+def block_indices(selection, B, M, N, G, T, bs, seed=0, device="cuda"):
+    """The selection of the named generator: 'uniform' (draw_block_indices, from torch's global RNG) or 'smooth'."""
+    if selection == "smooth":
+        return smooth_block_indices(B, M, N, G, T, bs, seed=seed, device=device)
+    return draw_block_indices(B, M, N, G, T, bs, device=device)
+
+
+def gathered_blocks(idx, N, bs, W, block_counts=None, chunk=1 << 22):
+    """K/V blocks one (b, g) gathers when each CTA of W consecutive queries (rows W c .. W c + W - 1, positions
+    bottom-right aligned) gathers the union of its queries' used blocks once; summed over b and g.
+
+    W = 1 is today's kernel, which gathers every used slot (a duplicate as often as it occurs); W > 1 counts
+    the distinct blocks of each union. A slot is used as the kernels decide: inside block_counts (when given),
+    >= 0 and its block's first token at or before the query's position. Bytes = this x 2 (K and V) x bs x D x
+    element size (gathered_bytes)."""
+    B, M, G, T = idx.shape
+    pos = N - M + torch.arange(M, device=idx.device)
+    last = torch.where(pos >= 0, torch.div(pos, bs, rounding_mode="floor"), -1).view(1, M, 1, 1)
+    e = idx.long()
+    used = (e >= 0) & (e <= last)
+    if block_counts is not None:
+        used &= torch.arange(T, device=idx.device) < block_counts.long().unsqueeze(-1)
+    if W == 1:
+        return int(used.sum())
+    C = -(-M // W)
+    e = torch.where(used, e, -1)
+    e = torch.cat([e, e.new_full((B, C * W - M, G, T), -1)], 1)  # the last CTA's missing rows select nothing
+    e = e.view(B, C, W, G, T).permute(0, 1, 3, 2, 4).reshape(B * C * G, W * T)
+    total = 0
+    step = max(1, chunk // (W * T))
+    for r0 in range(0, e.shape[0], step):
+        s = e[r0 : r0 + step].sort(-1).values
+        first = torch.ones_like(s, dtype=torch.bool)
+        first[:, 1:] = s[:, 1:] != s[:, :-1]
+        total += int((first & (s >= 0)).sum())
+    return total
+
+
+def gathered_bytes(idx, N, bs, D, W, element_size=2, block_counts=None):
+    """Bytes of K and V gathered at CTA width W (gathered_blocks)."""
+    return gathered_blocks(idx, N, bs, W, block_counts) * 2 * bs * D * element_size
+
+
+def sharing(idx, N, bs, widths=(4, 8, 16)) -> dict:
+    """Per W: the fraction of W = 1's gathered blocks that a CTA of W queries saves, 1 - blocks(W) / blocks(1)."""
+    one = gathered_blocks(idx, N, bs, 1)
+    return {W: (1 - gathered_blocks(idx, N, bs, W) / one) if one else 0.0 for W in widths}
 
 
 def check_tail(q, k, v, idx, out, lse, tail=64):
@@ -97,12 +234,59 @@ def dense_ms(q, k, v, backend_name):
     return t, note
 
 
-def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
+WIDTHS = (1, 4, 8, 16)  # the CTA widths whose gathered bytes each row reports
+
+
+def gathered_by_width(idx, L, D, element_size=2) -> dict:
+    """{W: GB of K/V gathered at CTA width W} for W in WIDTHS."""
+    return {W: gathered_bytes(idx, L, BS, D, W, element_size) / 1e9 for W in WIDTHS}
+
+
+def shared_pct(row, W) -> float:
+    """Percent of W = 1's gathered bytes that CTAs of W queries save."""
+    g = row["gathered_GB_at_W"]
+    return 100 * (1 - g[W] / g[1]) if g[1] else 0.0
+
+
+def fla_forward_ms(q, k, v, idx, T):
+    """FLA's selection forward (fla-core's ParallelNSAFunction under no_grad) in ms, or an error string."""
+    try:
+        from fla.ops.nsa.parallel import ParallelNSAFunction
+
+        def fwd():
+            with torch.no_grad():
+                return ParallelNSAFunction.apply(q, k, v, idx, T, BS, D ** -0.5, None)
+
+        fwd()
+        torch.cuda.synchronize()
+        return median_ms(fwd)
+    except Exception as e:  # the baseline is context, never a reason to lose mate's numbers
+        return repr(e)[:200]
+
+
+def run_shared(row, call, check, out, queries):
+    """Time the shared program at each W of `queries` on the row's inputs (call / check: the shipped kernel's)."""
+    row["shared"] = {}
+    for W in queries:
+        tiles = SHARED_TILES[W]
+        try:
+            with using_tiles("sm90", "nsa_selection", KEY, tiles):
+                out.fill_(float("nan"))
+                call()
+                torch.cuda.synchronize()
+                r = dict(tiles=tiles, rel_err=check(), ms=median_ms(call))
+        except Exception as e:  # a failing candidate is reported, never chosen
+            r = dict(tiles=tiles, error=repr(e)[:300])
+        row["shared"][W] = r
+        print("shared", W, json.dumps(r), flush=True)
+
+
+def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D, selection="uniform", queries=(), fla=False):
     B = 1
     q = torch.randn(B, L, H, D, device="cuda").to(DTYPE)
     k = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
     v = torch.randn(B, L, G, D, device="cuda").to(DTYPE)
-    idx = draw_block_indices(B, L, L, G, T, BS, hot=hot)
+    idx = draw_block_indices(B, L, L, G, T, BS, hot=True) if hot else block_indices(selection, B, L, L, G, T, BS)
     used = int((idx >= 0).sum())
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L, device="cuda")
@@ -113,9 +297,16 @@ def run_shape(L, H, G, T=T_SEL, hot=False, dense=True, D=D):
     ms = median_ms(call)
     gathered = used * 2 * BS * D * q.element_size()
     compulsory = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size() + idx.numel() * 4 + lse.numel() * 4
-    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, hot=hot, ms=ms, rel_err=err, used_slots=used,
-               gathered_GB=gathered / 1e9, gathered_GBps=gathered / ms / 1e6, compulsory_GB=compulsory / 1e9,
+    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, hot=hot, selection="hot" if hot else selection, ms=ms, rel_err=err,
+               used_slots=used, gathered_GB=gathered / 1e9, gathered_GBps=gathered / ms / 1e6, compulsory_GB=compulsory / 1e9,
+               gathered_GB_at_W=gathered_by_width(idx, L, D, q.element_size()),
                per_slot_ns=ms * 1e6 / (used / 1), dense_ms={}, dense_note={}, speedup={})
+    for W in queries:
+        row["gathered_GB_at_W"].setdefault(W, gathered_bytes(idx, L, BS, D, W, q.element_size()) / 1e9)
+    if queries and D == 128 and not hot:
+        run_shared(row, call, lambda: check_tail(q, k, v, idx, out, lse), out, queries)
+    if fla and H // G >= 16 and (H // G) & (H // G - 1) == 0:
+        row["fla_fwd_ms"] = fla_forward_ms(q, k, v, idx, T)
     if dense:
         for name in ("cudnn", "flash"):
             t, note = dense_ms(q, k, v, name)
@@ -194,13 +385,19 @@ def figures(result):
     figs = []
     for hg in sorted({(r["H"], r["G"]) for r in result["rows"]}, reverse=True):
         rows = [r for r in result["rows"] if (r["H"], r["G"]) == hg]
-        lines = {"mate": [(r["L"], r["ms"]) for r in rows]}
+        lines = {}
+        for sel in SELECTIONS:
+            pts = [(r["L"], r["ms"]) for r in rows if r.get("selection", "uniform") == sel]
+            if pts:
+                lines["mate" if sel == "uniform" else f"mate ({sel} selection)"] = pts
         for name in ("cudnn", "flash"):
             lines[f"dense causal SDPA ({name})"] = [(r["L"], r["dense_ms"][name]) for r in rows if r["dense_ms"].get(name)]
         figs.append(figure(f"NSA selection, H={hg[0]} G={hg[1]}, T=16, block 64", "tokens (M = N)", "time (ms)", lines, logy=True))
         # No roofline: the gathered blocks are L2 hits (faster than HBM), and L2's rate is not one number.
         figs.append(figure(f"NSA selection, H={hg[0]} G={hg[1]}: gathered K/V", "tokens (M = N)", "GB/s",
-                           {"mate": [(r["L"], r["gathered_GBps"]) for r in rows]}))
+                           {"mate" if sel == "uniform" else f"mate ({sel} selection)":
+                            [(r["L"], r["gathered_GBps"]) for r in rows if r.get("selection", "uniform") == sel]
+                            for sel in SELECTIONS if any(r.get("selection", "uniform") == sel for r in rows)}))
     return figs
 
 
@@ -214,10 +411,10 @@ def visible_pairs(idx, N, bs):
     return int(torch.where((idx >= 0) & (start <= pos), seen, 0).sum())
 
 
-def run_train(L, H, G, T=T_SEL, fla=True):
+def run_train(L, H, G, T=T_SEL, fla=True, selection="uniform"):
     B = 1
     q, k, v = (torch.randn(B, L, n, D, device="cuda").to(DTYPE).requires_grad_() for n in (H, G, G))
-    idx = draw_block_indices(B, L, L, G, T, BS)
+    idx = block_indices(selection, B, L, L, G, T, BS)
     do = torch.randn(q.shape, device="cuda").to(DTYPE)
     pairs = visible_pairs(idx, L, BS) * (H // G)
     flops = dict(fwd=4 * D * pairs, bwd=10 * D * pairs)
@@ -230,7 +427,8 @@ def run_train(L, H, G, T=T_SEL, fla=True):
         o, _ = mate.nsa_selection_attention(q, k, v, idx, block_size=BS)
         return torch.autograd.grad(o, (q, k, v), do)
 
-    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, visible_pairs=pairs, flops=flops)
+    row = dict(L=L, H=H, G=G, group_heads=H // G, D=D, T=T, selection=selection, visible_pairs=pairs, flops=flops,
+               gathered_GB_at_W=gathered_by_width(idx, L, D, q.element_size()))
     grads = mate_train()
     torch.cuda.synchronize()
     row["mate"] = dict(fwd_ms=median_ms(mate_fwd), fwd_bwd_ms=median_ms(mate_train))
@@ -322,7 +520,7 @@ def train_probe(L, H, G, T=T_SEL):
 
 def train_main(a):
     res = dict(environment(), setup=dict(B=1, D=D, T=a.T, block_size=BS, dtype="bfloat16",
-                                         indices="T distinct random visible blocks, sorted, -1 pads",
+                                         indices=SETUP_INDICES, selections=selections(a),
                                          tiles={s: shipped_tiles("sm90", s, KEY)
                                                 for s in ("nsa_selection", "nsa_selection_bwd_dq", "nsa_selection_bwd_dkv")}),
                rows=[])
@@ -332,20 +530,23 @@ def train_main(a):
         res["fla"] = getattr(fla, "__version__", "?")
     except ImportError:
         res["fla"] = None
-    for hg in a.heads:
-        H, G = map(int, hg.split(":"))
-        for L in a.lengths:
-            res["rows"].append(run_train(L, H, G, T=a.T, fla=not a.no_fla and res["fla"] is not None))
+    for sel in selections(a):
+        for hg in a.heads:
+            H, G = map(int, hg.split(":"))
+            for L in a.lengths:
+                res["rows"].append(run_train(L, H, G, T=a.T, fla=not a.no_fla and res["fla"] is not None, selection=sel))
     if a.probe:
         res["probe"] = train_probe(a.lengths[-1], *map(int, a.heads[0].split(":")), T=a.T)
     out = write_json(a.out or RESULTS / f"nsa_train_{res['gpu'].replace(' ', '_')}.json", res)
     print(f"\nGPU {res['gpu']}  commit {res['commit']}  fla {res['fla']}  -> {out}")
-    print(f"{'H':>4} {'G':>2} {'L':>7} {'mate fwd':>9} {'mate f+b':>9} {'FLA fwd':>9} {'FLA f+b':>9} {'x FLA':>6} {'TFLOP/s':>8}  grad err vs FLA")
+    print(f"{'selection':>9} {'H':>4} {'G':>2} {'L':>7} {'mate fwd':>9} {'mate f+b':>9} {'FLA fwd':>9} {'FLA f+b':>9} {'x FLA':>6} "
+          f"{'TFLOP/s':>8} {'GB W=1':>7} {'W8 save':>7} {'W16 save':>8}  grad err vs FLA")
     for r in res["rows"]:
         m, f = r["mate"], r.get("fla", {})
         fmt = lambda x, p="9.2f": ("-" if x is None else format(x, p))  # noqa: E731
-        print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {m['fwd_ms']:>9.2f} {m['fwd_bwd_ms']:>9.2f} {fmt(f.get('fwd_ms'))} "
-              f"{fmt(f.get('fwd_bwd_ms'))} {fmt(r.get('speedup_fwd_bwd'), '6.2f')} {m['fwd_bwd_TFLOPs']:>8.0f}  "
+        print(f"{r['selection']:>9} {r['H']:>4} {r['G']:>2} {r['L']:>7} {m['fwd_ms']:>9.2f} {m['fwd_bwd_ms']:>9.2f} {fmt(f.get('fwd_ms'))} "
+              f"{fmt(f.get('fwd_bwd_ms'))} {fmt(r.get('speedup_fwd_bwd'), '6.2f')} {m['fwd_bwd_TFLOPs']:>8.0f} "
+              f"{r['gathered_GB_at_W'][1]:>7.1f} {shared_pct(r, 8):>6.1f}% {shared_pct(r, 16):>7.1f}%  "
               f"{r.get('grad_rel_err_vs_fla') or f.get('error', '')}")
     if "probe" in res:
         r = res["probe"]
@@ -364,25 +565,38 @@ def main(argv=None):
     ap.add_argument("--train", action="store_true", help="forward + backward beside FLA")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--T", type=int, default=T_SEL)
+    ap.add_argument("--queries", type=int, nargs="*", default=[], choices=sorted(SHARED_TILES),
+                    help="forward: also time the shared program at these W (a CTA of W queries)")
+    ap.add_argument("--fla", action="store_true", help="forward: time FLA's selection forward beside")
+    ap.add_argument("--no-dense", action="store_true", help="forward: skip the dense SDPA baselines")
+    ap.add_argument("--selection", choices=("uniform", "smooth", "both"), default="both",
+                    help="the selection generator(s): every table has a row of each")
     ap.add_argument("--compile-only", type=int, metavar="JOBS", help="with --train: compile its kernels in JOBS processes and stop")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     if a.train and a.compile_only:
         return precompile_train(a.compile_only)
+    if a.compile_only:
+        todo = [("nsa_selection", KEY, SHARED_TILES[W], True) for W in a.queries]
+        for (stage, _, tiles, _), (_, error) in compile_kernels(todo, a.compile_only):
+            print("compiled", stage, tiles, error or "ok", flush=True)
+        return None
     if a.train:
         return train_main(a)
     res = dict(
         environment(),
         cudnn=torch.backends.cudnn.version(),
-        setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices="T distinct random visible blocks, sorted, -1 pads",
-                   tiles=shipped_tiles("sm90", "nsa_selection", KEY)),
+        setup=dict(B=1, D=D, T=T_SEL, block_size=BS, dtype="bfloat16", indices=SETUP_INDICES, selections=selections(a),
+                   tiles=shipped_tiles("sm90", "nsa_selection", KEY), shared_tiles={W: SHARED_TILES[W] for W in a.queries}),
         copy_TBps=copy_tbps(),
         rows=[],
     )
-    for hg in a.heads:
-        H, G = map(int, hg.split(":"))
-        for L in a.lengths:
-            res["rows"].append(run_shape(L, H, G))
+    for i, sel in enumerate(selections(a)):
+        for hg in a.heads:
+            H, G = map(int, hg.split(":"))
+            for L in a.lengths:
+                # dense attention: once a shape
+                res["rows"].append(run_shape(L, H, G, dense=i == 0 and not a.no_dense, selection=sel, queries=a.queries, fla=a.fla))
     if a.probe:
         probe = []
         for T in (1, 4):
@@ -397,15 +611,28 @@ def main(argv=None):
         res["tile_variants"] = tile_variants(65536, 128, 8, VARIANTS)
     out = write_json(a.out or RESULTS / f"nsa_selection_{res['gpu'].replace(' ', '_')}.json", res)
     print(f"\nGPU {res['gpu']}  copy {res['copy_TBps']:.2f} TB/s  commit {res['commit']}  -> {out}")
-    print(f"{'H':>4} {'G':>2} {'L':>7} {'mate ms':>9} {'cuDNN ms':>9} {'flash ms':>9} {'x cuDNN':>8} {'x flash':>8} {'GB/s gath':>10} {'err':>8}")
+    print(f"{'selection':>9} {'H':>4} {'G':>2} {'L':>7} {'mate ms':>9} {'cuDNN ms':>9} {'flash ms':>9} {'x cuDNN':>8} {'x flash':>8} "
+          f"{'GB/s gath':>10} {'GB W=1':>7} {'W4 save':>7} {'W8 save':>7} {'W16 save':>8} {'err':>8}")
     for r in res["rows"]:
         c, f = r["dense_ms"].get("cudnn"), r["dense_ms"].get("flash")
         sc, sf = r["speedup"].get("cudnn"), r["speedup"].get("flash")
         fmt = lambda x, p="9.2f": ("-" if x is None else format(x, p))  # noqa: E731
-        print(f"{r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>9.3f} {fmt(c)} {fmt(f)} {fmt(sc, '8.1f')} {fmt(sf, '8.1f')} "
-              f"{r['gathered_GBps']:>10.0f} {r['rel_err']:>8.1e}")
+        print(f"{r['selection']:>9} {r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>9.3f} {fmt(c)} {fmt(f)} {fmt(sc, '8.1f')} {fmt(sf, '8.1f')} "
+              f"{r['gathered_GBps']:>10.0f} {r['gathered_GB_at_W'][1]:>7.1f} {shared_pct(r, 4):>6.1f}% {shared_pct(r, 8):>6.1f}% "
+              f"{shared_pct(r, 16):>7.1f}% {r['rel_err']:>8.1e}")
+    if a.queries or a.fla:
+        print(f"\n{'selection':>9} {'H':>4} {'G':>2} {'L':>7} {'W=1 ms':>8} " + " ".join(f"{f'W={W} ms':>8}" for W in a.queries)
+              + f" {'FLA ms':>8} {'GB W=1':>7} " + " ".join(f"{f'GB W={W}':>7}" for W in a.queries) + "  err")
+        for r in res["rows"]:
+            sh = r.get("shared", {})
+            ms = " ".join(f"{sh[W]['ms']:>8.3f}" if "ms" in sh.get(W, {}) else f"{'failed':>8}" for W in a.queries)
+            f = r.get("fla_fwd_ms")
+            gb = " ".join(f"{r['gathered_GB_at_W'][W]:>7.1f}" for W in a.queries)
+            errs = {W: (f"{sh[W]['rel_err']:.1e}" if "rel_err" in sh.get(W, {}) else sh.get(W, {}).get("error", "")) for W in a.queries}
+            print(f"{r['selection']:>9} {r['H']:>4} {r['G']:>2} {r['L']:>7} {r['ms']:>8.3f} {ms} "
+                  f"{f if isinstance(f, str) else format(f, '8.3f') if f is not None else '-':>8} {r['gathered_GB_at_W'][1]:>7.1f} {gb}  {errs}")
     for r in res.get("probe", []):
-        print(f"probe T={r['T']} D={r['D']} hot={r['hot']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
+        print(f"probe T={r['T']} D={r['D']} {r['selection']}: {r['ms']:.3f} ms, {r['per_slot_ns']:.2f} ns/slot, {r['gathered_GBps']:.0f} GB/s")
     for r in res.get("l2_gather_probe", {}).get("rows", []):
         print("triton L2 gather", r)
     for r in res.get("tile_variants", []):

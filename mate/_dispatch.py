@@ -130,6 +130,8 @@ def validate_config(data, path) -> dict:
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: expected a mapping of tile parameters, got {entry!r}")
             for p in params:
+                if p not in entry and p in STAGES[stage_name].defaults:
+                    continue
                 if p not in entry:
                     raise ConfigError(f"{where}: missing tile parameter {p!r} (expected {', '.join(params)})")
                 v = entry[p]
@@ -171,7 +173,7 @@ def _tiles(stage: str, spec_items: tuple, target: str) -> tuple:
         raise ValueError(
             f"no {stage} tile config for {key} on {target} ({config_dir() / (target + '.yaml')}); supported: {have}"
         )
-    return tuple((p, entries[key][p]) for p in STAGES[stage].params)
+    return tuple(STAGES[stage].entry_tiles(entries[key]).items())
 
 
 # ---------------------------------------------------------------- targets

@@ -73,10 +73,17 @@ class Stage:
     # compile with the entry's tiles (gqa_fwd's options, qsa_attention's cluster sizes): mate-precompile
     # --options compiles them, the tests and the stress test run them
     variants: Callable[[dict], list[dict]] = lambda spec: []
+    # tile parameter -> the value an entry that leaves it out takes (a parameter added after the entries were
+    # measured, whose default is the program they ran: nsa_selection's `queries`)
+    defaults: dict[str, int] = field(default_factory=dict)
 
     @property
     def params(self) -> tuple[str, ...]:
         return tuple(self.space)
+
+    def entry_tiles(self, entry: dict) -> dict:
+        """A config entry's tile values, the defaults filled in, in `space` order."""
+        return {p: entry[p] if p in entry else self.defaults[p] for p in self.space}
 
     def build(self, **kwargs):
         return getattr(import_native(self.module), self.program)(**kwargs)

@@ -245,4 +245,4 @@ def test_config_lookups_of_the_benchmark_overrides():
     assert gqa_config_key(torch.bfloat16, 128, (-1, 0)) == "dtype=bfloat16,dim=128,window=causal"
     assert gqa_config_key(torch.bfloat16, 128, (512, 0)) == "dtype=bfloat16,dim=128,window=local"
     key = "dtype=bfloat16,dim=128,window=causal"
-    assert shipped_tiles("sm90", "gqa_fwd", key) == {p: _dispatch.load_config("sm90")["gqa_fwd"][key][p] for p in _dispatch.STAGES["gqa_fwd"].params}
+    assert shipped_tiles("sm90", "gqa_fwd", key) == _dispatch.STAGES["gqa_fwd"].entry_tiles(_dispatch.load_config("sm90")["gqa_fwd"][key])

@@ -64,7 +64,7 @@ def test_enumeration_is_the_product_split_into_legal_and_pruned():
 def test_committed_entries_pass_their_stage_limits(stage, key):
     """The limits must not prune tiles that compile and run (every committed entry does, on the H200)."""
     entry = _dispatch.load_config("sm90")[stage][key]
-    tiles = {p: entry[p] for p in _dispatch.STAGES[stage].params}
+    tiles = _dispatch.STAGES[stage].entry_tiles(entry)
     assert TUNABLES[stage].limits(_dispatch.parse_key(key), tiles) is None
 
 

@@ -25,6 +25,9 @@ walking its selected blocks), then dk and dv per selected key block (one CTA
 per key block and KV group, walking the queries that selected it, which a
 stable sort of the used slots lists). Every dk/dv row is written by one CTA,
 in a fixed order: no atomics, and the gradients are bitwise deterministic.
+The forward's config entry may name `queries` = W > 1 (none shipped does yet): then one CTA takes W
+consecutive query rows and gathers the union of their selected blocks once
+(mate/nsa/kernels/selection_shared.py, T <= 16 and block_size 64; other calls take the one-query program).
 Atomics are not offered: one kernel adding each query's dk/dv tiles into an FP32 workspace measured
 2.3-4.8x slower than this on the H200 (benchmarks/results/NVIDIA_H200-2026-12-01-nsa-bwd-atomics.md).
 """
@@ -38,7 +41,7 @@ import torch
 from mate import _checks as C
 from mate import _debug, _dispatch
 from mate.nsa import reference
-from mate.nsa.kernels.selection_card import NATIVE_BLOCK_SIZES, NATIVE_DIMS
+from mate.nsa.kernels.selection_card import NATIVE_BLOCK_SIZES, NATIVE_DIMS, SHARED_SLOTS, TILE_KEYS
 kernels = _dispatch.lazy_module("mate.nsa.kernels.selection")  # imported, with TileLang, at the first native call
 
 STAGE = _dispatch.STAGES["nsa_selection"]
@@ -252,6 +255,17 @@ def _any_visible(p: Problem) -> bool:
     return p.k.shape[1] > 0 and p.block_indices.shape[3] > 0
 
 
+def _forward_options(p: Problem) -> dict:
+    """{} (the entry's program), or queries=1 where the entry asks for the shared program (queries > 1: a CTA of
+    W queries gathers the union of their blocks once) and the call exceeds it: more than SHARED_SLOTS slots a
+    row, or a block size other than 64. The shipped entries leave queries at 1."""
+    if _dispatch.tiles(STAGE.name, p.spec, p.target)["queries"] == 1:
+        return {}
+    if p.block_indices.shape[3] > SHARED_SLOTS or p.block_size != TILE_KEYS:
+        return {"queries": 1}
+    return {}
+
+
 def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q, block_counts = p.q, p.block_counts
     B, M, H, D = q.shape
@@ -263,7 +277,7 @@ def _native(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kern = _dispatch.kernel(STAGE.name, p.spec, p.target)
+    kern = _dispatch.kernel(STAGE.name, p.spec, p.target, **_forward_options(p))
     # Without block_counts the kernel never reads its counts argument; any int32 [B, M, G] view will do;
     # likewise the sequence starts without cu_seqlens.
     counts = block_counts if block_counts is not None else p.block_indices[..., 0]

@@ -213,7 +213,7 @@ def plan_keys(tunable, keys: list[str], entries: dict) -> dict:
     for key in keys:
         spec = _dispatch.parse_key(key)
         legal, pruned = candidates(tunable, spec)
-        current = {p: entries[key][p] for p in _dispatch.STAGES[tunable.stage].params} if key in entries else None
+        current = _dispatch.STAGES[tunable.stage].entry_tiles(entries[key]) if key in entries else None
         # The current entry is always measured: it is the time to beat, in or out of the space.
         plan[key] = ([current] if current else []) + [t for t in legal if t != current], pruned, current
     return plan

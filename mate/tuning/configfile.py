@@ -30,7 +30,9 @@ def _yaml() -> YAML:
 
 def render(stage: str, entry: dict) -> str:
     """An entry as a flow mapping: the stage's tile parameters in order, then `measured` (double-quoted)."""
-    m = CommentedMap((p, entry[p]) for p in _dispatch.STAGES[stage].params)
+    card = _dispatch.STAGES[stage]
+    # A parameter with a default that the entry leaves out stays out (nsa_selection's queries).
+    m = CommentedMap((p, entry[p]) for p in card.params if p in entry or p not in card.defaults)
     if entry.get("measured"):
         m["measured"] = DoubleQuotedScalarString(entry["measured"])
     m.fa.set_flow_style()

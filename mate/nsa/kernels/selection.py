@@ -51,7 +51,10 @@ program replaced, at the same tiles: 0.84 to 1.00 of its time
 (benchmarks/experiments/nsa_ab.py). Since the V zeroing (2026-12-01, NVIDIA_H200-2026-12-01-nsa-fwd-s19f.md):
 30.1 ms at 3 CTAs per SM (without the zeroing 28.7), 28.7 ms at 4; evict_last on the K/V loads
 changed nothing. Fewer gathers are the only way under ~26 ms; on the benchmark's random indices
-deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them (same file).
+deduplicating within W consecutive queries saves 9% (W 4) to 28% (W 16) of them (same file), and on
+real-looking selections (benchmarks/bench_nsa.py's smooth generator) 68% (W 4) to 90% (W 16): the
+program of a CTA of W queries that gathers their union once is selection_shared.py (tile parameter
+`queries` > 1; a draft, not yet run on a GPU; the shipped entries keep queries at 1, this program).
 """
 
 import tilelang.language as T
@@ -244,7 +247,12 @@ def _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, h
             LSE[bb, h0 + h, bm] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
-def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks):
+def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks, queries):
+    """The forward program; queries (W) > 1: selection_shared's, whose CTA shares its gathers among W queries."""
+    if queries > 1:
+        from mate.nsa.kernels.selection_shared import nsa_selection_shared_fwd
+
+        return nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks, queries)
     per_tile = _tiles_per_block(block_size, threads)
     B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
     (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
