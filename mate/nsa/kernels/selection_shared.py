@@ -50,7 +50,7 @@ The output goes through shared memory a query at a time (Os), coalesced rows of 
 
 import tilelang.language as T
 
-from mate._tl import assume_aligned, fence, lse_keys_as_m
+from mate._tl import assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m
 from mate.nsa.kernels.selection import (
     CONSUMER_BARRIER, LOG2E, NEG_INF, PASS_CONFIGS, _alloc_ring_state, _kernel_prologue, _tile_load,  # noqa: F401
 )
@@ -164,12 +164,7 @@ def _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, state, mult, ublk, st, 
             for k, h in T.Parallel(TILE_KEYS, head_tile):
                 S[k, h] = T.exp2(S[k, h] * scale_log2 - m_cur[h] * scale_log2) * T.cast(c, "float32")
                 rowsum[k, h] = rowsum[k, h] * alpha[h] + S[k, h]
-        T.copy(S, P)
-        T.copy(P, Ps)
-        T.sync_threads(CONSUMER_BARRIER, threads)  # P is in shared memory
-        fence()
-        for d, h in T.Parallel(dim, head_tile):
-            acc[d, h] *= alpha[h]
+        publish_p_keys_as_m(S, P, Ps, acc, alpha, CONSUMER_BARRIER, threads, dim, head_tile)
         T.gemm(Vs[st, :, :], Ps, acc, transpose_A=True)
         fence()
 
