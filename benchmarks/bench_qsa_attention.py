@@ -22,7 +22,7 @@ and with --upstream DIR the real vLLM and SGLang Triton kernels (benchmarks/upst
 DIR/vllm_qsa.py and DIR/sglang_qsa.py, copies of their sources, not in this repository).
 `--sweep` also times the small-CTA family's tiles (block_n x num_stages) and split counts.
 `--variants NAME=FILE ...`: the same-run A/B of small-CTA programs (FILE: another version of
-mate/qsa/kernels/sparse_warp.py, `-` the shipped one).
+mate/qsa/kernels/sparse_warp.py, `-` the shipped one); with --kv-dtype, each version's FP8 timings.
 `--kv-dtype e4m3|e5m2 ...` (issue 38): each case's K/V quantized to that FP8 kind at k_scale 0.02 / v_scale 0.03
 (the issue's), timed as `mate <kind>` beside mate on the BF16 cache in the same run (and `mate <kind> tensor-scale`
 with the scales as device tensors); the FP8 output is checked against the reference on the same FP8 inputs, and
@@ -209,8 +209,15 @@ def main(argv=None) -> dict:
         if args.extra and case == "decode256":
             labels.append(("decode256 shared 512-page pool", build(case, gen, 512)[0]))
         for label, q in labels:
+            fp8_splits = args.variant_splits if case.startswith("decode") else ()
+            if args.kv_dtype and sources:  # each version's FP8 (and BF16) calls, one version after another
+                with program_variants("qsa_attention_warp", sources) as use:
+                    for name in sources:
+                        use(name)
+                        cases.append(time_fp8(f"{label} [{name}]", q, args.kv_dtype, fp8_splits))
+                continue
             if args.kv_dtype:
-                res = time_fp8(label, q, args.kv_dtype, args.variant_splits if case.startswith("decode") else ())
+                res = time_fp8(label, q, args.kv_dtype, fp8_splits)
             elif sources:
                 with program_variants("qsa_attention_warp", sources) as use:
                     res = dict(case=label, us={})

@@ -54,7 +54,8 @@ def test_lowers_or_compiles_for_sm90a(built, stage, key):
 
 
 # FP8 K/V caches (issue 38): compile-time variants of every mqa_decode and qsa_attention_warp entry, on its tiles.
-FP8_STAGES = {"mqa_decode": ("K8", "wgmma"), "qsa_attention_warp": ("Kr", "tl::mma_sync")}  # the FP8 tile's buffer, the MMA
+# the FP8 tile's buffer, the MMA, and the MMA's dtype for a BF16 query (None: the query's; sparse_warp runs FP16)
+FP8_STAGES = {"mqa_decode": ("K8", "wgmma", None), "qsa_attention_warp": ("Kr", "tl::mma_sync<tl::DataType::kFloat16", "float16")}
 FP8_JOBS = precompile.variant_jobs([(s, k) for s, k in ENTRIES if s in FP8_STAGES], "sm90")
 # what the generated CUDA calls the cache's element type, and how it upcasts pairs of it into BF16 / FP16
 FP8_CUDA = {"float8_e4m3fn": ("fp8_e4_t", "e4m3", "__NV_E4M3"), "float8_e5m2": ("fp8_e5_t", "e5m2", "__NV_E5M2")}
@@ -71,14 +72,15 @@ def built_fp8():
                          ids=[f"{s}[{k},{t['kv_dtype']}]{'' if _full(s, k) else '-lowered'}" for s, k, t, _ in FP8_JOBS])
 def test_fp8_variants_compile(built_fp8, stage, key, kv):
     """Both FP8 kinds for every entry: the FP8 tile gathered by 16-byte cp.async (half the bytes of the 16-bit one),
-    upcast in pairs by the exact conversions into the query's dtype, the MMA on that, the k_scale tensor a parameter."""
+    upcast in pairs by the exact conversions into the MMA's dtype (the query's, or FP16), the MMA on that, the k_scale
+    tensor a parameter."""
     assert len(FP8_JOBS) == 2 * sum(s in FP8_STAGES for s, _ in ENTRIES)
     source, error = built_fp8[stage, key, kv]
     assert error is None, f"{stage}[{key}] {kv}: {error}"
     ctype, short, nv = FP8_CUDA[kv]
-    buf, mma = FP8_STAGES[stage]
+    buf, mma, mma_dtype = FP8_STAGES[stage]
     assert f"cp_async_gs_conditional<16>((&((({ctype}*){buf})" in source, "the FP8 tile is not gathered by 16-byte cp.async"
-    if "dtype=bfloat16" in key:
+    if "dtype=bfloat16" in key and mma_dtype is None:
         assert f"__tl_cvt_{short}x2_to_bfloat162(" in source
     else:
         assert f"__tl_cvt_fp8x2_to_half2(" in source and f", {nv})" in source

@@ -277,6 +277,27 @@ def test_fp8_physical(kv_dtype, splits):
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("magnitudes", [(3e5, 1.0, 1e-3), (1e-20,), (6e4,)], ids=["mixed", "tiny", "fp16max"])
+def test_fp8_query_range(kv_dtype, magnitudes):
+    """An FP8 call runs FP16 MMAs on the query times a power of two (sparse_warp._load_q_fp16): BF16 queries far
+    outside FP16's range, and heads of very different sizes in one group, still match the reference. (Not all heads
+    at 1e6 or more: there the scores' FP32 rounding, the reference's own, moves the softmax by percents.)"""
+    gen = torch.Generator().manual_seed(13)
+    reqs = qsa_requests(gen, n_req=3, hq=24, hkv=2, d=D, width=300, dtype=torch.bfloat16)
+    q, k, v, ids = (x.cuda() for x in qsa_physical_layout(reqs, {}))
+    mags = torch.tensor(magnitudes, device="cuda").repeat(24)[:24]
+    q = (q.float() * mags[None, :, None]).to(torch.bfloat16)
+    k8, v8, scales = fp8_kv(k, v, kv_dtype, False)
+    for splits in (1, 9):
+        poison_allocator("cuda")
+        out, lse = mate.qsa_sparse_attention(q, k8, v8, selected_kv_indices=ids, return_lse=True, num_splits=splits, **scales)
+        ref_out, ref_lse = mate.qsa_sparse_attention(q, k8, v8, selected_kv_indices=ids, return_lse=True, backend="reference", **scales)
+        # the lse grows with the query: relative there
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=2e-3)
+        assert_matches(out, ref_lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("batch, rows", [(1, 1), (16, 1), (1, 300)], ids=["decode1", "decode16", "prefill300"])
 def test_fp8_serving_shape(kv_dtype, batch, rows):
     """Issue 37's inputs (2051 slots a row, per-element gate) on FP8 caches: each split count, deterministic; the

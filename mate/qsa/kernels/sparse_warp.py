@@ -103,10 +103,32 @@ def _gather_rows(X, Xs, offsets, st, i, lane, block_n, vec):
 
 @T.macro
 def _upcast(X8, Xs, st, block_n):
-    """Ring stage st of an FP8 tile into the MMA's tile in the query's dtype, exactly (every e4m3 / e5m2 value is
-    a BF16 and an FP16 value): the ring holds half the bytes of a 16-bit one, and its stage is free once read."""
+    """Ring stage st of an FP8 tile into the MMA's FP16 tile, exactly (every e4m3 / e5m2 value is an FP16 one):
+    one cvt.rn.f16x2 a pair. (Upcast to BF16, each pair took that cvt and two cvt.rn.bf16.f16 more.)"""
     for k, d in T.Parallel(block_n, DIM):
         Xs[0, k, d] = T.cast(X8[st, k, d], Xs.dtype)
+
+
+@T.macro
+def _load_q_fp16(Q, Qs, Qf, qmax, qmax_s, qmul: T.Ref, row, h0, group):
+    """The group's query rows into Qs as FP16, times qmul, the power of two that brings the largest |q| of the
+    tile to [2^13, 2^14): exact wherever q is an FP16 normal after it (below 2^-24 of the largest only), never
+    an overflow. The scores' factor divides by qmul again."""
+    for h, d in T.Parallel(HEADS, DIM):
+        Qf[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+    T.reduce_absmax(Qf, qmax, dim=1)
+    for h in T.Parallel(HEADS):
+        qmax_s[h] = qmax[h]
+    T.sync_threads()
+    amax = T.alloc_var("float32")
+    amax = 0.0
+    for h in T.serial(HEADS):
+        amax = T.max(amax, T.cast(qmax_s[h], "float32"))
+    # from the exponent bits, not log2 / exp2 (approximate): an Inf |q| gives 2^-115 and stays Inf, as in BF16
+    biased = (T.reinterpret(amax, "int32") >> 23) & 255
+    qmul = T.reinterpret(T.min(T.max(267 - biased, 1), 254) << 23, "float32")
+    for h, d in T.Parallel(HEADS, DIM):
+        Qs[h, d] = T.cast(T.cast(Qf[h, d], "float32") * qmul, Qs.dtype)
 
 
 @T.macro
@@ -125,7 +147,9 @@ def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t,
     for h in T.Parallel(HEADS):
         alpha[h] = T.exp2((m_prev[h] - m_cur[h]) * scale_log2)
     for h, k in T.Parallel(HEADS, block_n):
-        S[h, k] = T.exp2(S[h, k] * scale_log2 - m_cur[h] * scale_log2)
+        # (S - m) * scale, not S * scale - m * scale: with a large scale (an FP8 call's query scaled down into
+        # FP16, scale_log2 up to 1e23), M_FLOOR * scale is -inf and a masked tile's -inf - -inf a NaN
+        S[h, k] = T.exp2((S[h, k] - m_cur[h]) * scale_log2)
         rowsum[h, k] = rowsum[h, k] * alpha[h] + S[h, k]
     for h, d in T.Parallel(HEADS, DIM):
         acc[h, d] *= alpha[h]
@@ -152,7 +176,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     split for `merge`.
 
     kv_dtype (a compile-time option, not a config key): an FP8 cache's dtype, on the entry's tiles. Its rows are
-    gathered as FP8 into the ring (half the bytes) and upcast a tile at a time. The dequant scales are factors
+    gathered as FP8 into the ring (half the bytes) and upcast to FP16 a tile at a time (FP16 MMAs). The dequant scales are factors
     of the scores and of the output: k_scale multiplies `scale` (a float, by the host, or KS[0] where flags has
     K_SCALE_DEV), v_scale the output's normalization (v_mult, or VS[0] with V_SCALE_DEV). A 16-bit cache ignores
     KS, VS and v_mult (the wrapper passes stand-ins and 1)."""
@@ -160,6 +184,8 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     fp8 = kv_dtype is not None
     assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
     kv_dtype = kv_dtype or dtype
+    # FP8 K/V: FP16 MMAs, the query scaled by a power of two into FP16's range (_load_q_fp16)
+    mma = "float16" if fp8 else dtype
     vec = 16 // itemsize(kv_dtype)
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
     NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
@@ -205,12 +231,12 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     ):
         with T.Kernel(R, HKV, SPL if split else 1, threads=WARP) as (row, kvh, sp):
             T.import_source(sources)
-            Qs = T.alloc_shared((HEADS, DIM), dtype)
-            # the ring as gathered; an FP8 one is upcast into a one-stage tile of the query's dtype for the MMAs
+            Qs = T.alloc_shared((HEADS, DIM), mma)
+            # the ring as gathered; an FP8 one is upcast into a one-stage FP16 tile for the MMAs
             Kr = T.alloc_shared((num_stages, block_n, DIM), kv_dtype)
             Vr = T.alloc_shared((num_stages, block_n, DIM), kv_dtype)
-            Ks = T.alloc_shared((1, block_n, DIM), dtype) if fp8 else Kr
-            Vs = T.alloc_shared((1, block_n, DIM), dtype) if fp8 else Vr
+            Ks = T.alloc_shared((1, block_n, DIM), mma) if fp8 else Kr
+            Vs = T.alloc_shared((1, block_n, DIM), mma) if fp8 else Vr
             # two chunks' K/V row offsets: the one the gather reads and the one published next
             ko = T.alloc_shared((2, CHUNK), "int32", scope="shared")
             vo = T.alloc_shared((2, CHUNK), "int32", scope="shared")
@@ -220,7 +246,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             sl = T.alloc_local((PER_LANE,), "int32")
             S = T.alloc_fragment((HEADS, block_n), "float32")
             S1 = T.alloc_fragment((HEADS, block_n), "float32")
-            Pr = T.alloc_fragment((HEADS, block_n), dtype)  # P in the input dtype, the PV MMA's A
+            Pr = T.alloc_fragment((HEADS, block_n), mma)  # P in the MMA's dtype, the PV MMA's A
             rowsum = T.alloc_fragment((HEADS, block_n), "float32")
             acc = T.alloc_fragment((HEADS, DIM), "float32")
             m_cur = T.alloc_fragment((HEADS,), "float32")
@@ -262,8 +288,14 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
             _chunk_ids(TI, BI, tok, row, 1, lane, first, last, block_slots, blocks, NB)
             # heads past the group repeat its last head: their rows of S and O are finite and never stored
-            for h, d in T.Parallel(HEADS, DIM):
-                Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+            qmul = T.alloc_var("float32")
+            qmul = 1.0
+            if fp8:
+                _load_q_fp16(Q, Qs, T.alloc_fragment((HEADS, DIM), dtype), T.alloc_fragment((HEADS,), dtype),
+                             T.alloc_shared((HEADS,), dtype), qmul, row, h0, group)
+            else:
+                for h, d in T.Parallel(HEADS, DIM):
+                    Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]
             T.fill(acc, 0)
             T.fill(rowsum, 0)
             T.fill(m_cur, M_FLOOR)
@@ -273,7 +305,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             qk_scale = scale
             norm = 1.0
             if fp8:
-                qk_scale = scale * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1))
+                qk_scale = scale * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1)) / qmul
                 norm = T.if_then_else((flags & V_SCALE_DEV) != 0, VS[0], v_mult)
             scale_log2 = qk_scale * LOG2E
             for i in T.serial(n_tiles + num_stages - 1):
