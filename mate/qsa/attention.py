@@ -561,9 +561,16 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
     return NativeRows(target, out, lse, q, ti, bi, qp, o, lse_rows, g, stand_in)
 
 
+# The small-CTA family's splits hold MIN_SPLIT_TILES tiles or more (the last one fewer). H100, issue 37's inputs on
+# e4m3 / e5m2 caches, rows 1 (2 row-heads, 129 tiles), cold graph: 129 splits of one tile 30.7 / 30.4 us, 33 of
+# four 25.1 / 24.9, 16 33.2 / 32.7; rows 8: 41 splits 32.4, 33 32.3 (NVIDIA_H100-2026-12-05-qsa-fp8-fp16-mma.md).
+MIN_SPLIT_TILES = 4
+
+
 def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     """SplitKV count of the small-CTA family for `num_splits=None`: the most splits whose grid still fits one
-    wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split without a tile;
+    wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split of fewer than
+    MIN_SPLIT_TILES tiles but the last;
     past one wave, 1 or 2 splits, whichever ends in the smaller partial last wave (measured in one split's CTA
     time), 1 on a tie: the merge's extra pass is paid only where it shortens the tail.
 
@@ -574,7 +581,7 @@ def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md)."""
     wave = resident * sms
     if rows_x_heads <= wave:
-        return max(1, min(tiles, wave // max(1, rows_x_heads)))
+        return max(1, min(-(-tiles // MIN_SPLIT_TILES), wave // max(1, rows_x_heads)))
     waves = lambda s: -(-rows_x_heads * s // wave) / s  # noqa: E731
     return 2 if tiles >= 2 and waves(2) < waves(1) else 1
 
