@@ -16,7 +16,7 @@ FlexAttention's output (and cuDNN's), as a sanity check of the timed code.
   python benchmarks/bench_gqa.py [--dims 128 64] [--lengths 4096 16384 65536] [--depths]
                                  [--out benchmarks/results/gqa_h200.json]
   python benchmarks/bench_gqa.py --options [--no-flex] [--out ...]
-  python benchmarks/bench_gqa.py --decode [--tiles 64,128,128,3 ...] [--out ...]
+  python benchmarks/bench_gqa.py --decode [--tiles 64,128,128,3 ...] [--kv-dtype e4m3 e5m2] [--out ...]
 
 --options times issue 17's options instead (D 128, BF16, H 64/8): sinks, softcap and both
 against the plain kernel at 16k (dense causal and window (4096, 0)), and varlen 16 x 1024 causal
@@ -29,7 +29,9 @@ both in one process).
 against 8192 keys each in a paged cache (pages of 16 and 64 in random order), dense causal and window
 (4096, 0), in TB/s of the K/V rows read (bytes counted exactly, see the JSON); beside it, in the same
 run, mate's padded call on the same keys and torch SDPA (cuDNN, else FlashAttention) on the dense
-visible K/V of one-row steps.
+visible K/V of one-row steps. --kv-dtype also times each row on the same cache quantized to FP8 (issue 38:
+k_scale 0.02, v_scale 0.03), beside the BF16 time: its bytes (half the K/V), its error against the reference
+on the same FP8 inputs and against the BF16 call (the quantization's own cost).
 
 --depths also times the other consumer schedule (mma_depth 1 vs 2) of the
 mate kernel. The JSON is rewritten after every row, so a run cut short keeps
@@ -242,6 +244,18 @@ def first_sdpa(qt, kt, vt):
     return None, None
 
 
+K_SCALE, V_SCALE = 0.02, 0.03  # issue 38's
+FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def quantize(x, kv_dtype, scale):
+    """x / scale in FP8, in slices (no FP32 copy of a whole pool)."""
+    out = torch.empty(x.shape, dtype=kv_dtype, device=x.device)
+    for i in range(0, x.shape[0], 4096):
+        out[i : i + 4096] = (x[i : i + 4096].float() / scale).to(kv_dtype)
+    return out
+
+
 def decode(args) -> dict:
     """Issue 17's decode rows (see the module docstring); every row checks mate against the reference on 8 sequences."""
     dev = torch.device("cuda")
@@ -283,6 +297,17 @@ def decode(args) -> dict:
                            bytes=nbytes, TB_s=nbytes / ms / 1e9, of_peak_bandwidth=nbytes / ms / 1e-3 / PEAK_BYTES,
                            tflops=4.0 * nd * H * D * seen / ms / 1e9, err_vs_reference=rel_err(out[:8], ref),
                            tiles=shipped_tiles("sm90", "gqa_decode", gqa_config_key(torch.bfloat16, D, window)), other_tiles=alt)
+                for name in args.kv_dtype:
+                    k8, v8 = (quantize(x, FP8_KINDS[name], s) for x, s in ((kc, K_SCALE), (vc, V_SCALE)))
+                    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+                    out8 = torch.empty_like(q)
+                    ms8 = timed_ms(lambda: mate.gqa_attention(q, k8, v8, out=out8, **kw, **scales))
+                    ref8 = mate.gqa_attention(q[:8], k8, v8, **{**kw, "block_table": table[:8], "seq_lens_k": lens[:8]},
+                                              **scales, backend="reference")
+                    bytes8 = nbytes - nd * HKV * keys * D * 2  # K and V at one byte an element
+                    row[name] = dict(ms=ms8, bytes=bytes8, TB_s=bytes8 / ms8 / 1e9, of_bf16_time=ms8 / ms,
+                                     err_vs_reference=rel_err(out8[:8], ref8), err_vs_bf16=rel_err(out8, out))
+                    del k8, v8
                 if ps == 64:  # the padded call and the baseline on the dense visible keys, once per shape
                     outp = torch.empty_like(q)
                     row["mate_padded_ms"] = timed_ms(lambda: mate.gqa_attention(q, kd, vd, sliding_window=window, out=outp))
@@ -314,6 +339,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="--decode: query rows a sequence")
     ap.add_argument("--tiles", type=str, action="append", default=[],
                     help="--decode: also time these gqa_decode tiles on the one-row steps, block_m,block_n,threads,num_stages (repeatable)")
+    ap.add_argument("--kv-dtype", type=str, nargs="*", default=[], choices=sorted(FP8_KINDS),
+                    help="--decode: also time each row on the cache in these FP8 kinds (issue 38)")
     ap.add_argument("--out", type=str, default=None, help="default benchmarks/results/gqa_h200.json (--options: gqa_options_h200.json)")
     args = ap.parse_args(argv)
     args.tiles = [dict(zip(("block_m", "block_n", "threads", "num_stages"), map(int, t.split(",")))) for t in args.tiles]

@@ -64,14 +64,35 @@ def lse_keys_as_m(m_cur, l_sum, h, scale):
     return T.if_then_else(l_sum[h] > 0, m_cur[h] * scale + T.log(l_sum[h]), NEG_INF)
 
 
-def assume_aligned(*strides):
-    """The wrapper checks that these strides are multiples of 8 elements (16 bytes); telling the compiler gives
-    16-byte accesses (and TMA tensor maps, whose strides must be multiples of 16 bytes)."""
+def assume_aligned(*strides, elems=8):
+    """The wrapper checks that these strides are multiples of 16 bytes (`elems` elements: 8 of 16 bits, 16 of FP8);
+    telling the compiler gives 16-byte accesses (and TMA tensor maps, whose strides must be multiples of 16 bytes)."""
     # A plain function, not a macro: a macro would bind each stride to its parameter's name, renaming it.
     for s in strides:
-        T.evaluate(T.assume(s % 8 == 0))
+        T.evaluate(T.assume(s % elems == 0))
 
 
 def alloc_vars(count, dtype="int32"):
     """`count` scalars (T.alloc_var), for one tuple assignment that names them in order."""
     return tuple(T.alloc_var(dtype) for _ in range(count))
+
+
+@T.macro
+def scale_into_fp16(Qf, Qs, qmax, qmax_s, qmul: T.Ref):
+    """Qs = Qf * qmul in FP16 (the MMA dtype of an FP8 cache's upcast tiles), qmul the power of two that brings the
+    tile's largest |Qf| to [2^13, 2^14): exact wherever a BF16 value is an FP16 normal after it (below 2^-24 of the
+    largest only), never an overflow. The scores' factor divides by qmul again. Qf: the query tile (a fragment, any
+    16-bit dtype); qmax a fragment and qmax_s a shared vector of its rows; one CTA barrier."""
+    T.reduce_absmax(Qf, qmax, dim=1)
+    for i in T.Parallel(Qf.shape[0]):
+        qmax_s[i] = qmax[i]
+    T.sync_threads()
+    amax = T.alloc_var("float32")
+    amax = 0.0
+    for i in T.serial(Qf.shape[0]):
+        amax = T.max(amax, T.cast(qmax_s[i], "float32"))
+    # from the exponent bits, not log2 / exp2 (approximate): an Inf |q| gives 2^-115 and stays Inf, as in BF16
+    biased = (T.reinterpret(amax, "int32") >> 23) & 255
+    qmul = T.reinterpret(T.min(T.max(267 - biased, 1), 254) << 23, "float32")
+    for i, d in T.Parallel(Qf.shape[0], Qf.shape[1]):
+        Qs[i, d] = T.cast(T.cast(Qf[i, d], "float32") * qmul, Qs.dtype)

@@ -34,7 +34,7 @@ echo "stress kernels rc=$?: $(grep '^compiled' "$LOG/precompile-stress.log")"
 
 declare -A SUITE=(
     [qsa]="tests/test_qsa_attention_gpu.py tests/test_garbage_gpu.py"
-    [gqa]="tests/test_gqa_gpu.py tests/test_gqa_options_gpu.py"
+    [gqa]="tests/test_gqa_gpu.py tests/test_gqa_options_gpu.py tests/test_gqa_fp8_gpu.py"
     [nsa]="tests/test_nsa_gpu.py tests/test_nsa_train_gpu.py"
     [stress]="tests/test_stress_gpu.py -k shipped_configs"
     [stress2]="tests/test_stress_gpu.py -k not(shipped_configs)"

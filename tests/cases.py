@@ -219,17 +219,35 @@ def gqa_launcher(device, gen):
     return Problem(call, refresh)
 
 
-def gqa_varlen(window, D):
+def _kv(gen, shape, device, kv_dtype, scale):
+    """A K or V tensor at a storage offset: BF16 (kv_dtype None), or FP8 (issue 38) of unit-scale values / scale."""
+    if kv_dtype is None:
+        return tail_view(gen, shape, device=device)
+    return (torch.randn(shape[0] + 1, *shape[1:], generator=gen) / scale).to(kv_dtype).to(device)[1:]
+
+
+def _scales(kv_dtype, tensor_scale, device):
+    """The call's k_scale / v_scale of an FP8 case: 0.02 / 0.03 as floats or one-element FP32 device tensors."""
+    if kv_dtype is None:
+        return {}
+    if tensor_scale:
+        return dict(k_scale=torch.tensor([0.0, 0.02], device=device)[1], v_scale=torch.tensor([0.03], device=device))
+    return dict(k_scale=0.02, v_scale=0.03)
+
+
+def gqa_varlen(window, D, kv_dtype=None, tensor_scale=False):
     """Packed sequences (one empty, one with more rows than keys), sinks and softcap; the refresh permutes the
-    lengths (same totals, within the same max_seqlen_*) and redraws the sinks."""
+    lengths (same totals, within the same max_seqlen_*) and redraws the sinks. kv_dtype: an FP8 K/V (issue 38, the
+    split-KV kernel's varlen keys) with float or tensor scales."""
     H, Hkv = 4, 2
     lens_q, lens_k = [30, 0, 75, 1, 9], [40, 0, 50, 90, 9]
     max_q, max_k = max(lens_q), max(lens_k)
 
     def make(device, gen):
+        scales = _scales(kv_dtype, tensor_scale, device)
         q = tail_view(gen, (sum(lens_q), H, D), device=device)
-        k = tail_view(gen, (sum(lens_k) + 5, Hkv, D), device=device)[:-5]  # an unused tail past cu_seqlens_k[B]
-        v = tail_view(gen, (sum(lens_k) + 5, Hkv, D), device=device)[:-5]
+        k = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, 0.02)[:-5]  # an unused tail past cu_seqlens_k[B]
+        v = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, 0.03)[:-5]
         cu_q = torch.zeros(len(lens_q) + 1, dtype=I32, device=device)
         cu_k = torch.zeros_like(cu_q)
         sinks = torch.empty(H, device=device)
@@ -245,7 +263,8 @@ def gqa_varlen(window, D):
         def call(backend):
             o = out if backend == "tilelang" else None
             return mate.gqa_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                                      sliding_window=window, sinks=sinks, softcap=8.0, out=o, return_lse=True, backend=backend)
+                                      sliding_window=window, sinks=sinks, softcap=8.0, out=o, return_lse=True, backend=backend,
+                                      **scales)
 
         refresh()
         return Problem(call, refresh)
@@ -253,18 +272,19 @@ def gqa_varlen(window, D):
     return make
 
 
-def gqa_paged_decode(lens, window):
+def gqa_paged_decode(lens, window, kv_dtype=None, tensor_scale=False):
     """Decode steps of 2 rows against a paged cache (pages of 16 in random order, a -1 page inside one sequence,
     an out-of-range id past another's length), a window, sinks and softcap; the refresh gives the sequences new
-    lengths within their pages and redraws q and the sinks. Sequences of `lens` keys at most: where the window
-    lets a row see at most 256 keys (four tiles) the kernel runs one split and writes the output itself, else
-    it splits and merges."""
+    lengths within their pages and redraws q and the sinks (and a tensor k_scale's value). Sequences of `lens` keys
+    at most: where the window lets a row see at most 256 keys (four tiles) the kernel runs one split and writes the
+    output itself, else it splits and merges. kv_dtype: an FP8 cache (issue 38) with float or tensor scales."""
 
     def make(device, gen):
         H, Hkv, D, ps = 8, 2, 128, 16
+        scales = _scales(kv_dtype, tensor_scale, device)
         need = [-(-n // ps) for n in lens]
-        k = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
-        v = tail_view(gen, (sum(need) + 2, ps, Hkv, D), device=device)
+        k = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, 0.02)
+        v = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, 0.03)
         table = torch.full((len(lens), max(need) + 1), -1, dtype=I32)
         order = torch.randperm(sum(need), generator=gen).tolist()
         for b, n in enumerate(need):
@@ -281,11 +301,13 @@ def gqa_paged_decode(lens, window):
             seq_lens.copy_(torch.tensor([int(torch.randint(0, ps * n + 1, (1,), generator=gen)) for n in need], dtype=I32))
             sinks.copy_(torch.randn(H, generator=gen).to(device))
             q.copy_(randn(gen, *q.shape, device=device))
+            if tensor_scale:
+                scales["k_scale"].copy_(torch.empty(()).uniform_(0.01, 0.04, generator=gen))
 
         def call(backend):
             o = out if backend == "tilelang" else None
             return mate.gqa_attention(q, k, v, block_table=table, seq_lens_k=seq_lens, sliding_window=window, sinks=sinks,
-                                      softcap=8.0, out=o, return_lse=True, backend=backend)
+                                      softcap=8.0, out=o, return_lse=True, backend=backend, **scales)
 
         refresh()
         return Problem(call, refresh)
@@ -322,13 +344,15 @@ def merge_states(rows, D):
     return make
 
 
-def qsa_paged(device, gen):
-    """Flattened query rows of two requests over a paged pool with missing pages."""
+def qsa_paged(device, gen, kv_dtype=None):
+    """Flattened query rows of two requests over a paged pool with missing pages; kv_dtype an FP8 pool (issue 38,
+    the small-CTA program's FP8 variant) with float scales."""
     n_req, hq, hkv, D, ps, pages, max_pages, width = 2, 8, 1, 256, 16, 5, 3, 19
     rows = 13
+    scales = _scales(kv_dtype, False, device)
     query = tail_view(gen, (rows, hq, D), device=device)
-    key = tail_view(gen, (pages, ps, hkv, D), device=device)
-    value = tail_view(gen, (pages, ps, hkv, D), device=device)
+    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.02)
+    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.03)
     cu = torch.tensor([0, 6, rows], dtype=I32, device=device)
     table = torch.zeros(n_req, max_pages, dtype=I32, device=device)
     lens_k = torch.zeros(n_req, dtype=I32, device=device)
@@ -343,19 +367,21 @@ def qsa_paged(device, gen):
 
     def call(backend):
         return mate.qsa_sparse_attention(query, key, value, tokens, cu_seqlens_q=cu, block_table=table, page_size=ps,
-                                         seq_lens_k=lens_k, return_lse=True, backend=backend)
+                                         seq_lens_k=lens_k, return_lse=True, backend=backend, **scales)
 
     refresh()
     return Problem(call, refresh)
 
 
-def qsa_split(device, gen):
+def qsa_split(device, gen, kv_dtype=None):
     """SplitKV paged decode in the canonical geometry (24 / 2 heads, a group of 12 in a 16-head tile): 3 splits
-    of a 5-tile list and their merge, with a per-head gate and the LSE."""
+    of a 5-tile list and their merge, with a per-head gate and the LSE; kv_dtype an FP8 pool with tensor scales
+    whose k_scale value the refresh rewrites (as a server does between graph replays)."""
     n_req, hq, hkv, D, ps, pages, max_pages, width = 3, 24, 2, 256, 64, 9, 4, 300
+    scales = _scales(kv_dtype, True, device)
     query = tail_view(gen, (n_req, hq, D), device=device)
-    key = tail_view(gen, (pages, ps, hkv, D), device=device)
-    value = tail_view(gen, (pages, ps, hkv, D), device=device)
+    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.02)
+    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.03)
     gate = tail_view(gen, (n_req, hq), device=device)
     cu = torch.arange(n_req + 1, dtype=I32, device=device)
     table = torch.zeros(n_req, max_pages, dtype=I32, device=device)
@@ -366,10 +392,12 @@ def qsa_split(device, gen):
         t[1, 2] = -1
         table.copy_(t)
         tokens.copy_(qsa_token_rows(gen, n_req, width, max_pages * ps, device))
+        if kv_dtype is not None:
+            scales["k_scale"].copy_(torch.empty(()).uniform_(0.01, 0.04, generator=gen))
 
     def call(backend):
         return mate.qsa_sparse_attention(query, key, value, tokens, cu_seqlens_q=cu, block_table=table, gate=gate,
-                                         num_splits=3, return_lse=True, backend=backend)
+                                         num_splits=3, return_lse=True, backend=backend, **scales)
 
     refresh()
     return Problem(call, refresh)
@@ -502,10 +530,15 @@ CASES = {
     "gqa_varlen_sinks_softcap": gqa_varlen((20, 0), 64),
     "gqa_paged_decode": gqa_paged_decode([200, 1, 77, 0], (100, 0)),  # one split
     "gqa_paged_decode_split": gqa_paged_decode([2000, 1, 77, 0], (1000, 0)),  # 4 splits and the merge
+    # FP8 K/V (issue 38) on the split-KV kernel: paged with tensor scales (split and merged), varlen keys (KEY_BASE)
+    "gqa_paged_decode_fp8": gqa_paged_decode([2000, 1, 77, 0], None, torch.float8_e4m3fn, tensor_scale=True),
+    "gqa_varlen_fp8": gqa_varlen((20, 0), 64, torch.float8_e5m2),
     "merge_states": merge_states(29, 128),
     "merge_states_wide": merge_states(300, 66),
     "qsa_paged": qsa_paged,
     "qsa_split": qsa_split,
+    "qsa_paged_fp8": lambda device, gen: qsa_paged(device, gen, torch.float8_e5m2),
+    "qsa_split_fp8": lambda device, gen: qsa_split(device, gen, torch.float8_e4m3fn),
     "qsa_padded": qsa_padded,
     "qsa_physical": qsa_physical,
     "qsa_topk": qsa_topk(37, 3000, 100),

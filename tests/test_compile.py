@@ -53,9 +53,10 @@ def test_lowers_or_compiles_for_sm90a(built, stage, key):
 
 
 
-# FP8 K/V caches (issue 38): compile-time variants of every mqa_decode and qsa_attention_warp entry, on its tiles.
+# FP8 K/V caches (issue 38): compile-time variants of every mqa_decode, qsa_attention_warp and gqa_decode entry, on its tiles.
 # the FP8 tile's buffer, the MMA, and the MMA's dtype for a BF16 query (None: the query's; sparse_warp runs FP16)
-FP8_STAGES = {"mqa_decode": ("K8", "wgmma", None), "qsa_attention_warp": ("Kr", "tl::mma_sync<tl::DataType::kFloat16", "float16")}
+FP8_STAGES = {"mqa_decode": ("K8", "wgmma", None), "qsa_attention_warp": ("Kr", "tl::mma_sync<tl::DataType::kFloat16", "float16"),
+              "gqa_decode": ("K_s", "wgmma", "float16")}
 FP8_JOBS = precompile.variant_jobs([(s, k) for s, k in ENTRIES if s in FP8_STAGES], "sm90")
 # what the generated CUDA calls the cache's element type, and how it upcasts pairs of it into BF16 / FP16
 FP8_CUDA = {"float8_e4m3fn": ("fp8_e4_t", "e4m3", "__NV_E4M3"), "float8_e5m2": ("fp8_e5_t", "e5m2", "__NV_E5M2")}

@@ -291,3 +291,57 @@ def test_launcher_launch_errors():
     p32 = packed.float()
     q32, k32, v32 = p32[:, : H * D], p32[:, H * D : (H + Hkv) * D], p32[:, (H + Hkv) * D :]
     raises(ValueError, "bfloat16 and float16", launch, q32, k32, v32, o.float(), width, width, width, H * D, S, S)
+
+
+# ---------------------------------------------------------------- FP8 K/V (issue 38)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_reference_dequantizes_exactly(kv_dtype, q_dtype):
+    """FP8 K/V with float or tensor scales, padded, varlen and paged: the reference equals its own run on the FP32
+    dequantized cache (value x scale) bit for bit, in q's dtype."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 5, 4, 64).to(q_dtype)
+    k8, v8 = (torch.randn(2, 9, 2, 64) * 30).to(kv_dtype), (torch.randn(2, 9, 2, 64) * 20).to(kv_dtype)
+    table = torch.tensor([[1, 0], [-1, 1]], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    layouts = [dict(q=q, k=k8, v=v8),
+               dict(q=q.flatten(0, 1), k=k8.flatten(0, 1), v=v8.flatten(0, 1), cu_seqlens_q=torch.tensor([0, 3, 10], dtype=torch.int32),
+                    max_seqlen_q=7, cu_seqlens_k=cu, max_seqlen_k=5),
+               dict(q=q, k=k8, v=v8, block_table=table, seq_lens_k=torch.tensor([15, 7], dtype=torch.int32))]
+    for kw in layouts:
+        a = {n: kw[n] for n in ("q", "k", "v")}
+        rest = {n: x for n, x in kw.items() if n not in a}
+        opts = dict(sliding_window=(6, 0), sinks=torch.randn(4), softcap=10.0, return_lse=True, backend="reference", **rest)
+        ref = mate.gqa_attention(a["q"].float(), a["k"].float() * 0.03, a["v"].float() * 0.05, **opts)
+        for ks, vs in [(0.03, 0.05), (torch.tensor(0.03), torch.tensor([0.05]))]:
+            out, lse = mate.gqa_attention(a["q"], a["k"], a["v"], k_scale=ks, v_scale=vs, **opts)
+            assert out.dtype == q_dtype
+            assert torch.equal(out, ref[0].to(q_dtype)) and torch.equal(lse, ref[1])
+
+
+def test_fp8_errors():
+    q, k, v = qkv()
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref = dict(backend="reference")
+    raises(ValueError, "FP8 queries", mate.gqa_attention, q.to(torch.float8_e4m3fn), k8, v8, **ref)
+    raises(ValueError, "float8_e4m3fn or float8_e5m2", mate.gqa_attention, q, k8, v, **ref)
+    raises(ValueError, "float8_e4m3fn or float8_e5m2", mate.gqa_attention, q, k, v8, **ref)
+    raises(ValueError, "float8_e4m3fn or float8_e5m2", mate.gqa_attention, q, k8, v.to(torch.float8_e5m2), **ref)
+    for name in ("k_scale", "v_scale"):
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            raises(ValueError, name, mate.gqa_attention, q, k8, v8, **{name: bad}, **ref)
+        raises(TypeError, name, mate.gqa_attention, q, k8, v8, **{name: "0.5"}, **ref)
+        raises(TypeError, name, mate.gqa_attention, q, k8, v8, **{name: torch.tensor([0.5], dtype=torch.float64)}, **ref)
+        raises(ValueError, name, mate.gqa_attention, q, k8, v8, **{name: torch.tensor([0.5, 0.5])}, **ref)
+        raises(ValueError, name, mate.gqa_attention, q, k8, v8, **{name: torch.ones(1, 1)}, **ref)
+        raises(ValueError, name, mate.gqa_attention, q, k, v, **{name: 0.5}, **ref)  # a 16-bit cache takes no scale
+        raises(ValueError, "tensor applies to FP8", mate.gqa_attention, q, k, v, **{name: torch.tensor([1.0])}, **ref)
+    # a tensor's value: read by the reference (and by mate.debug_checks() on the native path)
+    raises(ValueError, "k_scale", mate.gqa_attention, q, k8, v8, k_scale=torch.tensor(float("nan")), **ref)
+    raises(ValueError, "v_scale", mate.gqa_attention, q, k8, v8, v_scale=torch.tensor([-1.0]), **ref)
+    # the native layout rule counts bytes: an FP8 row of 64 features at an 8-element offset is not 16-byte aligned
+    raises(ValueError, "16-byte", mate.gqa_attention, q[..., :64], k8[..., 8:72], v8[..., 8:72])

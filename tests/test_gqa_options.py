@@ -285,7 +285,8 @@ def _problem(q, k, **kw):
     from mate.swa import attention as A
 
     args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None, seq_lens_k=None,
-                sliding_window=None, sinks=None, softcap=None, scale=None, out=None, return_lse=False, backend="reference")
+                sliding_window=None, sinks=None, softcap=None, scale=None, k_scale=1.0, v_scale=1.0, out=None, return_lse=False,
+                backend="reference")
     return A._resolve(q, k, k, **{**args, **kw})
 
 

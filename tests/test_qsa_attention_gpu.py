@@ -279,7 +279,7 @@ def test_fp8_physical(kv_dtype, splits):
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("magnitudes", [(3e5, 1.0, 1e-3), (1e-20,), (6e4,)], ids=["mixed", "tiny", "fp16max"])
 def test_fp8_query_range(kv_dtype, magnitudes):
-    """An FP8 call runs FP16 MMAs on the query times a power of two (sparse_warp._load_q_fp16): BF16 queries far
+    """An FP8 call runs FP16 MMAs on the query times a power of two (mate._tl.scale_into_fp16): BF16 queries far
     outside FP16's range, and heads of very different sizes in one group, still match the reference. (Not all heads
     at 1e6 or more: there the scores' FP32 rounding, the reference's own, moves the softmax by percents.)"""
     gen = torch.Generator().manual_seed(13)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from mate import _dispatch
+from mate._hopper import FP8_KV
 from mate.tuning.stages import TUNABLES
 
 pytestmark = pytest.mark.gpu
@@ -319,6 +320,49 @@ def test_gqa_split_kv_ring_depths_finish_back_to_back_launches():
     _run("gqa_decode", decode_rings())
 
 
+# gqa_attention on FP8 K/V (issue 38), the split-KV kernel's kv_dtype variants at each ring depth of DECODE_RINGS,
+# both kinds: paged decode (page 16: cp.async and 16-row TMA boxes; tensor scales) and a varlen prefill (the keys
+# as one page from cu_seqlens_k, whole-tile TMA boxes); the result must not change over the launches.
+GQA_FP8_CHILD = GQA_PRELUDE + """
+import json
+from mate.tuning.measure import using_tiles
+B, H, Hkv, ctx, D = 32, 32, 4, 4096, 128
+lens = torch.randint(1, ctx + 1, (B,), dtype=torch.int32, device="cuda")
+table = torch.randperm(B * ctx // 16, device="cuda").int().view(B, -1)
+kp, vp = (torch.randn(B * ctx // 16, 16, Hkv, D, device="cuda") for _ in range(2))
+q1 = torch.randn(B, 1, H, D, device="cuda").bfloat16()
+lens_q = [700, 1, 1200, 333]
+cu = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+qv = torch.randn(sum(lens_q), H, D, device="cuda").bfloat16()
+kv_, vv = (torch.randn(sum(lens_q) + 64, Hkv, D, device="cuda") for _ in range(2))
+ks, vs = torch.tensor([0.02], device="cuda"), torch.tensor([0.03], device="cuda")
+for block_n, stages in json.loads(sys.argv[1]):
+    for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tiles = dict(block_m=64, block_n=block_n, threads=128, num_stages=stages)
+        kp8, vp8, kv8, vv8 = ((x / s).to(kv) for x, s in ((kp, 0.02), (vp, 0.03), (kv_, 0.02), (vv, 0.03)))
+        calls = [("local", "paged decode", lambda: mate.gqa_attention(q1, kp8, vp8, block_table=table, seq_lens_k=lens,
+                                                                      sliding_window=(2000, 0), k_scale=ks, v_scale=vs)),
+                 ("causal", "varlen prefill", lambda: mate.gqa_attention(qv, kv8, vv8, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                         max_seqlen_q=1200, max_seqlen_k=1200,
+                                                                         sliding_window=(-1, 0), k_scale=0.02, v_scale=0.03))]
+        for window, name, call in calls:
+            with using_tiles("sm90", "gqa_decode", f"dtype=bfloat16,dim=128,window={window}", tiles):
+                first = call()
+                hammer(f"gqa fp8 {kv} {name} block_n {block_n} stages {stages}", call)
+                assert torch.equal(call(), first), f"{kv} {name}: the result changed over the launches"
+"""
+
+
+def gqa_fp8_rings() -> list:
+    """(key, tiles) of the GQA FP8 child's kernels."""
+    return [(f"dtype=bfloat16,dim=128,window={w}", dict(block_m=64, block_n=n, threads=128, num_stages=s, kv_dtype=kv))
+            for w in ("local", "causal") for n, s in DECODE_RINGS for kv in FP8_KV]
+
+
+def test_gqa_fp8_finishes_back_to_back_launches():
+    _finish([GQA_FP8_CHILD, json.dumps(DECODE_RINGS), str(LAUNCHES)], 4 * len(DECODE_RINGS), "gqa fp8")
+
+
 # QSA's split kernel (hand-synchronized: K and V each on a full / empty mbarrier pair a stage) at the ring
 # depths of its space that the config does not ship (it ships 3 for the narrow key, 1 for the wide one), on
 # the card's quick workload of each key.
@@ -362,6 +406,7 @@ def variant_kernels() -> list:
             + [("qsa_attention", key, tiles) for key, tiles in qsa_split_rings()]
             + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_warp_rings()]
             + [("qsa_attention_warp", key, tiles) for key, tiles in qsa_fp8_rings()]
+            + [("gqa_decode", key, tiles) for key, tiles in gqa_fp8_rings()]
             + [("mqa_decode", key, {**_dispatch.tiles("mqa_decode", _dispatch.parse_key(key), "sm90"), **v})
                for key in mqa_fp8_keys() for v in _dispatch.STAGES["mqa_decode"].variants(_dispatch.parse_key(key))])
 

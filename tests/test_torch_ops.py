@@ -58,7 +58,8 @@ class RecordMateOps(TorchDispatchMode):
 
 # The op schemas as they were written out by hand (main f206cbc): generating them from the signatures changes none.
 # Since then qsa_mqa_decode took k_scale (issue 38): a float or a tensor, so two op arguments, and a tensor among its
-# keywords makes every argument positional-or-keyword (custom ops take no keyword-only tensors).
+# keywords makes every argument positional-or-keyword (custom ops take no keyword-only tensors); gqa_attention's
+# k_scale / v_scale (FP8 K/V) the same way.
 SCHEMAS = {
     "qsa_indexer_mqa_score": "mate::qsa_indexer_mqa_score(Tensor q_idx, Tensor block_keys, Tensor? block_table=None, SymInt? page_size=None, Tensor? cu_seqlens_q=None, Tensor? token_to_req=None, SymInt? num_requests=None, Tensor? query_positions=None, Tensor? seq_lens_q=None, SymInt block_size=4, float? scale=None, float? score_scale=None, str backend=\"tilelang\") -> Tensor",
     "qsa_mqa_prefill": "mate::qsa_mqa_prefill(Tensor q, Tensor k, Tensor row_starts, Tensor row_ends, float? score_scale=None, *, float? scale=None, str backend=\"tilelang\") -> Tensor",
@@ -66,7 +67,7 @@ SCHEMAS = {
     "nsa_selection_attention": "mate::nsa_selection_attention(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor(a4!) out, Tensor(a5!) lse, SymInt block_size, Tensor? block_counts, Tensor? cu_seqlens, float? scale, str backend) -> ()",
     "nsa_selection_attention_train": "mate::nsa_selection_attention_train(Tensor q, Tensor k, Tensor v, Tensor block_indices, SymInt block_size, Tensor? block_counts, Tensor? cu_seqlens, float? scale, str backend) -> (Tensor, Tensor)",
     "nsa_selection_attention_backward": "mate::nsa_selection_attention_backward(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor block_indices, SymInt block_size, Tensor? block_counts, Tensor? cu_seqlens, float? scale, str backend) -> (Tensor, Tensor, Tensor)",
-    "gqa_attention": "mate::gqa_attention(Tensor q, Tensor k, Tensor v, Tensor(a3!) out, Tensor(a4!) lse, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, Tensor? block_table, Tensor? seq_lens_k, SymInt[]? sliding_window, Tensor? sinks, float? softcap, float? scale, str backend) -> ()",
+    "gqa_attention": "mate::gqa_attention(Tensor q, Tensor k, Tensor v, Tensor(a3!) out, Tensor(a4!) lse, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, Tensor? block_table, Tensor? seq_lens_k, SymInt[]? sliding_window, Tensor? sinks, float? softcap, float? scale, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, float? v_scale_value, str backend) -> ()",
     "merge_attention_states": "mate::merge_attention_states(Tensor partial_out, Tensor partial_lse, Tensor(a2!) out, Tensor(a3!) lse, Tensor? gate, ScalarType? out_dtype, str backend) -> ()",
     "qsa_sparse_attention": "mate::qsa_sparse_attention(Tensor query, Tensor key, Tensor value, Tensor? token_indices, Tensor(a4!) out, Tensor(a5!) lse, Tensor? block_indices, Tensor? cu_seqlens_q, Tensor? token_to_req, SymInt? num_requests, Tensor? cu_seqlens_k, Tensor? seq_lens_q, Tensor? seq_lens_k, Tensor? query_positions, Tensor? block_table, SymInt? page_size, float? scale, Tensor? gate, SymInt? num_splits, str backend, bool warp_specialized, bool assume_compact_blocks, Tensor? selected_kv_indices, float? softmax_scale, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, float? v_scale_value, ScalarType? compute_dtype, bool caller_lse) -> ()",
     "qsa_topk_blocks": "mate::qsa_topk_blocks(Tensor scores, SymInt k, Tensor(a2!) out, str backend) -> ()",

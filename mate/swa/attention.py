@@ -26,6 +26,8 @@ Paged caches, and padded calls with at most DECODE_MAX_ROWS query rows per seque
 rows, each sequence's keys split across CTAs where the grid is small; one split writes the
 output itself, several go through the merge stage of mate.merge), with sinks and softcap
 as runtime arguments: any page size natively, -1 and out-of-range page ids masked and never read.
+FP8 K/V (issue 38), in every layout, run the split-KV kernel's FP8 variant (varlen k as one page with
+per-sequence key offsets); see gqa_attention's docstring.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ UNBOUNDED = 1 << 30
 
 STAGE = _dispatch.STAGES["gqa_fwd"]
 DECODE = _dispatch.STAGES["gqa_decode"]
+decode_kernel = _dispatch.lazy_module("mate.swa.kernels.gqa_decode")  # imported, with TileLang, at the first native call
 # Padded calls with at most this many query rows per sequence take the split-KV kernel (decode).
 DECODE_MAX_ROWS = 16
 # Split-KV: at most this many CTAs per multiprocessor (more waves even out the sequences' lengths), with at
@@ -155,9 +158,11 @@ def _sinks_arg(p, stand_in) -> torch.Tensor:
 
 def _softmax_args(p) -> tuple:
     """Both kernels' softmax arguments: scale * log2(e), the window as runtime bounds, softcap and scale / softcap.
-    With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units."""
-    return (LOG2E if p.softcap else p.scale * LOG2E, _runtime(p.left), _runtime(p.right), p.softcap or 0.0,
-            p.scale / p.softcap if p.softcap else 0.0)
+    With softcap the kernel applies the scale itself, before the tanh: the softmax gets scores in natural units.
+    An FP8 cache's float k_scale (1 otherwise) is a factor of the scale."""
+    scale = p.scale * p.kv.k
+    return (LOG2E if p.softcap else scale * LOG2E, _runtime(p.left), _runtime(p.right), p.softcap or 0.0,
+            scale / p.softcap if p.softcap else 0.0)
 
 
 def _padded_rows(device, batch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,11 +197,13 @@ def _num_splits(p, rows_max: int, group: int, capacity: int, spec: dict, tiles: 
 
 
 def _run_split_kv(p, o) -> torch.Tensor:
-    """Paged caches, and padded calls with few query rows (decode), on the split-KV kernel (and the merge stage when
-    it splits the keys)."""
+    """Paged caches, padded calls with few query rows (decode) and every FP8 call on the split-KV kernel (and the
+    merge stage when it splits the keys)."""
     q, k, v = p.q, p.k, p.v
     varlen = p.cu_seqlens_q is not None
     H, D = q.shape[-2], q.shape[-1]
+    stand_in = _dispatch.Placeholders(q.device)
+    flags, base = 0, stand_in(torch.int32, 1)
     if varlen:
         cu_q, q_rows, rows_max = p.cu_seqlens_q.contiguous(), q, p.max_seqlen_q
     else:
@@ -204,8 +211,16 @@ def _run_split_kv(p, o) -> torch.Tensor:
         q_rows, rows_max = q.reshape(-1, H, D), q.shape[1]
     if p.block_table is not None:
         table, seq_lens = p.block_table.contiguous(), p.seq_lens_k.contiguous()
+        capacity = table.shape[1] * k.shape[1]
+    elif p.cu_seqlens_k is not None:  # varlen k (FP8): one page of every key, sequence b's from cu_seqlens_k[b] on
+        cu_k = p.cu_seqlens_k.contiguous()
+        k, v = k.unsqueeze(0), v.unsqueeze(0)
+        table = torch.zeros(p.batch, 1, dtype=torch.int32, device=q.device)
+        seq_lens, base, flags = cu_k[1:] - cu_k[:-1], cu_k, decode_kernel.KEY_BASE
+        capacity = p.max_seqlen_k
     else:  # padded k: sequence b's keys are page b, of Sk slots, and a key count the kernel clamps to the page
         table, seq_lens = ids[:-1].view(p.batch, 1), torch.full((p.batch,), INT32_MAX, dtype=torch.int32, device=q.device)
+        capacity = k.shape[1]
     R = q_rows.shape[0]
     lse_rows = torch.empty(R, H, dtype=torch.float32, device=q.device)
     if R and (k.shape[0] == 0 or k.shape[1] == 0 or table.shape[1] == 0):  # no keys: every row sees nothing but the sink
@@ -214,7 +229,7 @@ def _run_split_kv(p, o) -> torch.Tensor:
     elif R:
         group = H // k.shape[-2]
         spec = _spec(q.dtype, D, p.left, p.right)
-        splits = _num_splits(p, rows_max * group, group, table.shape[1] * k.shape[1], spec, _dispatch.tiles(DECODE.name, spec, p.target))
+        splits = _num_splits(p, rows_max * group, group, capacity, spec, _dispatch.tiles(DECODE.name, spec, p.target))
         try:
             o_rows = o.view(R, H, D)
         except RuntimeError:  # a caller's out whose rows do not flatten: written beside it, then copied
@@ -226,9 +241,13 @@ def _run_split_kv(p, o) -> torch.Tensor:
         part_o = torch.empty(*shape, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         cu = C.canonical_unit_strides
-        _dispatch.kernel(DECODE.name, spec, p.target)(
-            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, _sinks_arg(p, _dispatch.Placeholders(q.device)), part_o, part_lse, cu(dst), lse_rows,
-            *_softmax_args(p), splits, rows_max * group, int(p.sinks is not None), int(slots == 0))
+        kv = p.kv
+        options = {"kv_dtype": str(kv.kv_dtype).removeprefix("torch.")} if kv.fp8 else {}
+        flags |= (decode_kernel.K_SCALE_DEV if kv.k_tensor is not None else 0) | (decode_kernel.V_SCALE_DEV if kv.v_tensor is not None else 0)
+        ks, vs = (stand_in(torch.float32, 1) if t is None else t for t in (kv.k_tensor, kv.v_tensor))
+        _dispatch.kernel(DECODE.name, spec, p.target, **options)(
+            cu(q_rows), cu(k), cu(v), table, seq_lens, cu_q, base, _sinks_arg(p, stand_in), part_o, part_lse, cu(dst), lse_rows,
+            *_softmax_args(p), splits, rows_max * group, int(p.sinks is not None), int(slots == 0), flags, ks, vs, kv.v)
         if slots:
             merge_attention_states(part_o, part_lse, out=dst, lse=lse_rows)
         if o_rows is None:
@@ -252,6 +271,8 @@ def gqa_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    k_scale: float | torch.Tensor | None = 1.0,
+    v_scale: float | torch.Tensor | None = 1.0,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "tilelang",
@@ -274,14 +295,26 @@ def gqa_attention(
     the softmax normaliser and the LSE (no value). A row with no visible key gets output 0 and
     LSE -inf (with sinks, the sink's logit). out, when given, is written in place and returned.
 
+    FP8 K/V: k and v both torch.float8_e4m3fn or both torch.float8_e5m2 (any layout), q BF16/FP16;
+    k_scale / v_scale are the per-tensor dequant multipliers (real = stored value x scale): a
+    positive finite float, or a one-element FP32 tensor on k's device that the kernel reads on the
+    GPU (a server may change it between CUDA-graph replays). BF16/FP16 K/V take no scale (1.0 or
+    None). The native path upcasts each K/V tile exactly to FP16 and runs FP16 MMAs (a BF16 q is
+    scaled by a power of two into FP16's range, exact down to 2^-24 of a tile's largest |q|); the
+    reference dequantizes (FP32 value x scale). Errors: an FP8 q, FP8 k with non-FP8 v or two FP8
+    kinds, a scale <= 0, NaN or inf, != 1 without FP8, a tensor scale of another shape, dtype or device.
+
     backend='tilelang' (sm90): BF16/FP16, D 64 or 128, every layout and option above; paged
-    caches (any page size) and padded calls of at most DECODE_MAX_ROWS rows take the split-KV
-    kernel and the SplitKV merge, which read nothing of unused pages or slots.
+    caches (any page size), padded calls of at most DECODE_MAX_ROWS rows and every FP8 call take
+    the split-KV kernel and the SplitKV merge, which read nothing of unused pages or slots.
     """
     p = _resolve(**locals())  # first statement: locals() is exactly the parameters
     if p.backend == "reference":
+        k, v = p.k, p.v
+        if p.kv.fp8:
+            k, v = C.dequantized(k, p.kv.k_value(k)), C.dequantized(v, p.kv.v_value(v))
         o, lse = reference.general(
-            p.q, p.k, p.v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+            p.q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
             max_seqlen_k=p.max_seqlen_k, block_table=p.block_table, seq_lens_k=p.seq_lens_k, left=p.left, right=p.right,
             scale=p.scale, sinks=p.sinks, softcap=p.softcap)
         out = o.to(p.q.dtype) if p.out is None else p.out.copy_(o)
@@ -299,8 +332,9 @@ def gqa_attention(
 class Problem(NamedTuple):
     """One gqa_attention call, resolved and checked (immutable, built once per call); the window
     as (left, right) with -1 unbounded; softcap None when off; plain: padded, no sinks, no softcap
-    (the kernel as it was before those options); split_kv: the split-KV kernel runs it (a paged cache, or
-    padded q and k with at most DECODE_MAX_ROWS rows per sequence); target for backend='tilelang' only."""
+    (the kernel as it was before those options); split_kv: the split-KV kernel runs it (a paged cache, an FP8
+    cache, or padded q and k with at most DECODE_MAX_ROWS rows per sequence); target for backend='tilelang' only;
+    kv: the cache's dtype and dequant scales."""
 
     backend: str
     q: torch.Tensor
@@ -323,6 +357,7 @@ class Problem(NamedTuple):
     plain: bool
     split_kv: bool
     target: str | None
+    kv: C.KVScales
 
 
 def _max_seqlen(name: str, v, with_: str) -> int:
@@ -375,7 +410,7 @@ def _layout(varlen_q, varlen_k, paged, max_seqlen_q, max_seqlen_k, seq_lens_k) -
 
 
 def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
-             sliding_window, sinks, softcap, scale, out, return_lse, backend) -> Problem:
+             sliding_window, sinks, softcap, scale, k_scale, v_scale, out, return_lse, backend) -> Problem:
     """Every check of gqa_attention, in one order: inputs and their layout (padded, varlen, paged),
     devices, shapes, metadata, window, sinks and scalars, out, the debug value checks, the native limits."""
     backend = _dispatch.backend(backend)
@@ -388,8 +423,8 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if x.dim() != shape.count(",") + 1:
             raise ValueError(f"{name} must be {shape} (rank {shape.count(',') + 1}) here, got shape {tuple(x.shape)}")
         C.floating(name, x)
-    C.same_dtype(q=q, k=k, v=v)
     C.same_device(q=q, k=k, v=v)
+    kv = C.kv_scales(k, v, k_scale, v_scale, q)
     H, D = q.shape[-2], q.shape[-1]
     if k.shape[-1] != D:
         raise ValueError(f"k must be {kv_shape} with D = {D} as in q, got {tuple(k.shape)}")
@@ -432,6 +467,8 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     "block_table": block_table, "seq_lens_k": seq_lens_k, "sinks": sinks})
     if _debug.enabled():
         _debug_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k)
+    if _debug.enabled() or backend == "reference":
+        _debug.scales(kv)
     plain = not varlen_q and not paged and sinks is None and softcap is None
     target = None
     if backend == "tilelang":
@@ -442,9 +479,9 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if out is not None:
             C.vector_layout("out", out)
         target = _dispatch.target_of(q, "q")
-    split_kv = paged or (not varlen_q and not varlen_k and q.shape[1] <= DECODE_MAX_ROWS)
+    split_kv = paged or kv.fp8 or (not varlen_q and not varlen_k and q.shape[1] <= DECODE_MAX_ROWS)
     return Problem(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k,
-                   batch, left, right, sinks, softcap, mult, return_lse, out, plain, split_kv, target)
+                   batch, left, right, sinks, softcap, mult, return_lse, out, plain, split_kv, target, kv)
 
 
 def _debug_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seq_lens_k) -> None:

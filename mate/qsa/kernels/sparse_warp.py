@@ -22,7 +22,7 @@ macros, shared), so the two programs take the same arguments.
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence
+from mate._tl import FENCE_SOURCE, fence, scale_into_fp16
 from mate.qsa.kernels.sparse import (
     GATE_NATIVE, HAS_GATE, K_SCALE_DEV, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS, V_SCALE_DEV,
     ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, _list_share, _prefetch_metadata, _row_keys, _row_request,
@@ -110,28 +110,6 @@ def _upcast(X8, Xs, st, block_n):
 
 
 @T.macro
-def _load_q_fp16(Q, Qs, Qf, qmax, qmax_s, qmul: T.Ref, row, h0, group):
-    """The group's query rows into Qs as FP16, times qmul, the power of two that brings the largest |q| of the
-    tile to [2^13, 2^14): exact wherever q is an FP16 normal after it (below 2^-24 of the largest only), never
-    an overflow. The scores' factor divides by qmul again."""
-    for h, d in T.Parallel(HEADS, DIM):
-        Qf[h, d] = Q[row, h0 + T.min(h, group - 1), d]
-    T.reduce_absmax(Qf, qmax, dim=1)
-    for h in T.Parallel(HEADS):
-        qmax_s[h] = qmax[h]
-    T.sync_threads()
-    amax = T.alloc_var("float32")
-    amax = 0.0
-    for h in T.serial(HEADS):
-        amax = T.max(amax, T.cast(qmax_s[h], "float32"))
-    # from the exponent bits, not log2 / exp2 (approximate): an Inf |q| gives 2^-115 and stays Inf, as in BF16
-    biased = (T.reinterpret(amax, "int32") >> 23) & 255
-    qmul = T.reinterpret(T.min(T.max(267 - biased, 1), 254) << 23, "float32")
-    for h, d in T.Parallel(HEADS, DIM):
-        Qs[h, d] = T.cast(T.cast(Qf[h, d], "float32") * qmul, Qs.dtype)
-
-
-@T.macro
 def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t, scale_log2, block_n):
     """One tile: S = Q K^T, masked to -inf where the token is, online softmax, O = O * alpha + P V."""
     # the D reduction as two independent MMA chains of DIM / 32 steps, not one of DIM / 16: the tensor core's
@@ -184,7 +162,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     fp8 = kv_dtype is not None
     assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
     kv_dtype = kv_dtype or dtype
-    # FP8 K/V: FP16 MMAs, the query scaled by a power of two into FP16's range (_load_q_fp16)
+    # FP8 K/V: FP16 MMAs, the query scaled by a power of two into FP16's range (scale_into_fp16)
     mma = "float16" if fp8 else dtype
     vec = 16 // itemsize(kv_dtype)
     R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
@@ -291,8 +269,10 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             qmul = T.alloc_var("float32")
             qmul = 1.0
             if fp8:
-                _load_q_fp16(Q, Qs, T.alloc_fragment((HEADS, DIM), dtype), T.alloc_fragment((HEADS,), dtype),
-                             T.alloc_shared((HEADS,), dtype), qmul, row, h0, group)
+                Qf = T.alloc_fragment((HEADS, DIM), dtype)
+                for h, d in T.Parallel(HEADS, DIM):
+                    Qf[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+                scale_into_fp16(Qf, Qs, T.alloc_fragment((HEADS,), dtype), T.alloc_shared((HEADS,), dtype), qmul)
             else:
                 for h, d in T.Parallel(HEADS, DIM):
                     Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]

@@ -55,11 +55,19 @@ block_n 128 x 3 stages (one CTA of 208 KB per SM) 0.89 ms; loading the block_tab
 ahead measured within 1% of loading them at the top of each tile. One split (`direct`, the grid's 512 CTAs
 unsplit): 0.556-0.560 ms dense (89-90%), (4096, 0) 0.288 ms (87%); 8 rows 0.613 / 0.316-0.319 ms
 (benchmarks/results/NVIDIA_H200-2026-12-02-decode-splits.md).
+
+FP8 K/V (kv_dtype, issue 38): the ring holds the FP8 bytes (TMA boxes of 128 columns, 16-byte cp.async), and each
+tile is upcast exactly into one FP16 K and V tile before the MMAs (FP16, the BF16 query scaled into FP16's range).
+Varlen k (KEY_BASE) reads the keys as one page, sequence b's from KBase[b] on. H100, the decode above: e4m3 648 us
+against BF16 716 (0.91x; page 16: 0.96x). Deeper rings and wider tiles are slower, so the FP8 call is not bound by
+its gather: the one warpgroup's per-tile chain is, at one row mostly the 64-row wgmma on 8 real rows
+(benchmarks/results/NVIDIA_H100-2026-12-06-gqa-decode-fp8-rings.md).
 """
 
 import tilelang.language as T
 
-from mate._tl import alloc_vars, assume_aligned
+from mate._hopper import FP8_KV, itemsize
+from mate._tl import alloc_vars, assume_aligned, scale_into_fp16
 from mate.swa.kernels.gqa import LN2, LOG2E, NEG_INF, online_softmax
 
 # TileLang lowers the T.tma_copy's (TMA lowering stays on); no warp specialization (one warpgroup issues the
@@ -68,6 +76,9 @@ PASS_CONFIGS = (("tl.disable_warp_specialized", True), ("tl.disable_safe_memory_
                 ("tl.disable_thread_storage_sync", True))
 # TileLang's annotation for cp.async loops whose commit and wait the program issues itself.
 NO_COMMIT_WAIT = "parallel_async_without_async_commit_wait"
+# The runtime `flags`: k_scale / v_scale are one-element device tensors (KS[0] / VS[0]), not host floats; key j of
+# sequence b sits at cache position KBase[b] + j (varlen k: the keys as one page, KBase its cu_seqlens_k), not j.
+K_SCALE_DEV, V_SCALE_DEV, KEY_BASE = 1, 2, 4
 
 def box_rows(block_n):
     """The TMA box heights a tile may go in, largest first: the whole tile (one page holds it), then whole
@@ -85,22 +96,23 @@ def _rows(row_q, row_h, row_pos, q0, sq, shift, m0, group, kvh, block_m):
 
 
 @T.macro
-def _fetch(next_page, BT, K, b, k0, block_n):
-    """The block_table entries of tile keys k0 .. k0 + block_n into registers (the row index clamped to the row):
-    issued a tile before _place needs them, so their latency hides behind a tile's compute."""
+def _fetch(next_page, BT, K, b, k0, base, block_n):
+    """The block_table entries of tile keys k0 .. k0 + block_n (cache positions base + k0 ..) into registers (the
+    row index clamped to the row): issued a tile before _place needs them, so their latency hides behind a tile's
+    compute."""
     for j in T.Parallel(block_n):
-        next_page[j] = BT[b, T.min(T.truncdiv(k0 + j, K.shape[1]), BT.shape[1] - 1)]
+        next_page[j] = BT[b, T.min(T.truncdiv(base + k0 + j, K.shape[1]), BT.shape[1] - 1)]
 
 
 @T.macro
-def _place(pg, sl, next_page, K, slot, k0, lo, hi, block_n):
+def _place(pg, sl, next_page, K, slot, k0, base, lo, hi, block_n):
     """Tile keys k0 .. k0 + block_n in id slot `slot`: page id (-1: masked, never read: outside the band [lo, hi),
     so past seq_lens_k or before the window of every row, or an id outside [0, pages)) and slot within the page,
     computed once per key."""
     for j in T.Parallel(block_n):
         pg[slot, j] = T.if_then_else((k0 + j >= lo) & (k0 + j < hi) & (next_page[j] >= 0) & (next_page[j] < K.shape[0]),
                                      next_page[j], -1)
-        sl[slot, j] = T.truncmod(k0 + j, K.shape[1])
+        sl[slot, j] = T.truncmod(base + k0 + j, K.shape[1])
 
 
 def _pages_valid(pg, slot, r, block_n):
@@ -111,16 +123,17 @@ def _pages_valid(pg, slot, r, block_n):
     return ok
 
 
-def _mode(pg, K, slot, k0, lo, hi, block_n):
+def _mode(pg, K, slot, k0, base, lo, hi, block_n):
     """How the tile in id slot `slot` travels (the same in every thread: scalars and shared ids): r > 0, by TMA in
     boxes of r rows (every key in the band, each box in one valid page); 0, by cp.async (zero-filled where masked).
-    Tiles start at multiples of block_n, so a box of r rows (r | block_n) starts at a multiple of r."""
+    Tiles start at multiples of block_n, so a box of r rows (r | block_n) starts at a multiple of r when base is
+    one (varlen k's base is any offset: its one page holds the tile)."""
     ps = K.shape[1]
     band = (k0 >= lo) & (k0 + block_n <= hi)
     mode = 0
     for r in reversed(box_rows(block_n)[1:]):  # built inside out: the largest box that fits wins
-        mode = T.if_then_else((T.truncmod(ps, r) == 0) & _pages_valid(pg, slot, r, block_n), r, mode)
-    one_page = (T.truncdiv(k0, ps) == T.truncdiv(k0 + block_n - 1, ps)) & (pg[slot, 0] >= 0)
+        mode = T.if_then_else((T.truncmod(ps, r) == 0) & (T.truncmod(base, r) == 0) & _pages_valid(pg, slot, r, block_n), r, mode)
+    one_page = (T.truncdiv(base + k0, ps) == T.truncdiv(base + k0 + block_n - 1, ps)) & (pg[slot, 0] >= 0)
     return T.if_then_else(band, T.if_then_else(one_page, block_n, mode), 0)
 
 
@@ -130,8 +143,9 @@ def _issue(K, V, K_s, V_s, pg, sl, bars, mode, st, slot, kvh, block_n, dim, thre
     expects each box's bytes on the stage's mbarrier, issues the boxes, then arrives (once). cp.async (mode 0):
     every thread copies, zero-filled where masked (one group the caller commits), and the elected thread arrives
     on the mbarrier without bytes, so every tile completes one phase of its stage's mbarrier."""
-    # Boxes of r rows x 64 columns (128 bytes, the swizzle span: a box is one contiguous run of the swizzled stage).
-    panels = [(c, min(c + 64, dim)) for c in range(0, dim, 64)]
+    # Boxes of r rows x 128 bytes (the swizzle span: a box is one contiguous run of the swizzled stage).
+    cols = 128 // itemsize(K.dtype)
+    panels = [(c, min(c + cols, dim)) for c in range(0, dim, cols)]
     for r in box_rows(block_n):
         if mode == r:
             for q in range(block_n // r):
@@ -165,12 +179,12 @@ def _mask(acc_s, pages, row_pos, st, k0, left, right, block_m, block_n, has_left
 
 
 @T.macro
-def _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim):
-    """The tile's rows of slot `split` (output normalized, 0 and LSE -inf where nothing is visible); with
-    sinks, split 0 writes slot num_splits too: output 0, LSE the sink's logit."""
+def _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, norm, block_m, dim):
+    """The tile's rows of slot `split` (output normalized, times norm: v_scale; 0 and LSE -inf where nothing is
+    visible); with sinks, split 0 writes slot num_splits too: output 0, LSE the sink's logit."""
     for i, d in T.Parallel(block_m, dim):
         if row_q[i] >= 0:
-            PO[split, row_q[i], row_h[i], d] = T.if_then_else(l_run[i] > 0, acc_o[i, d] / l_run[i], 0)
+            PO[split, row_q[i], row_h[i], d] = T.if_then_else(l_run[i] > 0, acc_o[i, d] * norm / l_run[i], 0)
     for i in T.Parallel(block_m):
         if row_q[i] >= 0:
             PL[split, row_q[i], row_h[i]] = T.if_then_else(l_run[i] > 0, (m_off[i] + T.log2(l_run[i])) * LN2, NEG_INF)
@@ -184,16 +198,16 @@ def _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_
 
 
 @T.macro
-def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h, has_sinks, block_m, dim):
-    """One split (`direct`): the tile's rows straight into the output (q's dtype) and the LSE, as the merge of one
-    partial would give them; the sink's logit (with sinks) joins the normaliser. A row with nothing visible gets
-    output 0 and LSE -inf (with sinks, the sink's logit)."""
+def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h, has_sinks, norm, block_m, dim):
+    """One split (`direct`): the tile's rows straight into the output (q's dtype; times norm, v_scale) and the LSE,
+    as the merge of one partial would give them; the sink's logit (with sinks) joins the normaliser. A row with
+    nothing visible gets output 0 and LSE -inf (with sinks, the sink's logit)."""
     for i in T.Parallel(block_m):
         # l_fin holds the sink's logit (log2) first; without sinks it is -inf, so m_fin = m_off and l_fin = l_run.
         l_fin[i] = T.if_then_else(has_sinks > 0, Sinks[T.min(row_h[i], Sinks.shape[0] - 1)] * LOG2E, NEG_INF)
         m_fin[i] = T.max(m_off[i], l_fin[i])
         l_fin[i] = l_run[i] * T.exp2(m_off[i] - m_fin[i]) + T.exp2(l_fin[i] - m_fin[i])
-        r[i] = T.if_then_else(l_fin[i] > 0, T.exp2(m_off[i] - m_fin[i]) / l_fin[i], 0)
+        r[i] = T.if_then_else(l_fin[i] > 0, T.exp2(m_off[i] - m_fin[i]) * norm / l_fin[i], 0)
     for i, d in T.Parallel(block_m, dim):
         if row_q[i] >= 0:
             O[row_q[i], row_h[i], d] = T.cast(acc_o[i, d] * r[i], O.dtype)
@@ -202,25 +216,35 @@ def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h
             LSE[row_q[i], row_h[i]] = T.if_then_else(l_fin[i] > 0, (m_fin[i] + T.log2(l_fin[i])) * LN2, NEG_INF)
 
 
-def _alloc(block_m, block_n, dim, num_stages, dtype):
+def _alloc(block_m, block_n, dim, num_stages, mma, kv_dtype):
     """Q, the K/V ring, its page ids and slots (num_stages + 1 tiles: one more than the ring, filled a tile
     ahead) and the per-row metadata in shared memory; the next tile's block_table entries, S, P and O and the
-    per-row softmax state in registers."""
+    per-row softmax state in registers. Q and P in the MMA's dtype, the ring in the cache's."""
     return (
-        T.alloc_shared((block_m, dim), dtype), T.alloc_shared((num_stages, block_n, dim), dtype),
-        T.alloc_shared((num_stages, block_n, dim), dtype),
+        T.alloc_shared((block_m, dim), mma), T.alloc_shared((num_stages, block_n, dim), kv_dtype),
+        T.alloc_shared((num_stages, block_n, dim), kv_dtype),
         *(T.alloc_shared((num_stages + 1, block_n), "int32") for _ in range(2)), T.alloc_fragment((block_n,), "int32"),
         *(T.alloc_shared((block_m,), "int32") for _ in range(3)),
-        T.alloc_fragment((block_m, block_n), "float32"), T.alloc_fragment((block_m, block_n), dtype),
+        T.alloc_fragment((block_m, block_n), "float32"), T.alloc_fragment((block_m, block_n), mma),
         T.alloc_fragment((block_m, dim), "float32"), *(T.alloc_fragment((block_m,), "float32") for _ in range(6)),
     )
 
 
-def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
-    """The program of one (dtype, dim, window class) with its tiles; every option is a runtime argument."""
+def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages, kv_dtype=None):
+    """The program of one (dtype, dim, window class) with its tiles; every option is a runtime argument.
+
+    kv_dtype (a compile-time option, not a config key): an FP8 cache's dtype, on the entry's tiles. Its tiles travel
+    as FP8 (half the bytes, TMA boxes of 128 columns) into the ring and are upcast exactly into one FP16 K and V tile
+    (FP16 MMAs; a BF16 query is scaled by a power of two into FP16's range, scale_into_fp16). k_scale is a factor
+    of the scores (the host folds a float one into scale_log2, or softcap_mul with softcap; KS[0] with K_SCALE_DEV),
+    v_scale one of the output (v_mult, or VS[0] with V_SCALE_DEV). A 16-bit cache ignores KS, VS and v_mult."""
     has_left, has_right = window == "local", window != "none"
     accum = "float32"
-    R, H, Pages, PS, Hkv, B, MP, NQ, HS, NS = T.dynamic("R H Pages PS Hkv B MP NQ HS NS")
+    fp8 = kv_dtype is not None
+    assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
+    kv_dtype = kv_dtype or dtype
+    mma = "float16" if fp8 else dtype
+    R, H, Pages, PS, Hkv, B, MP, NQ, HS, NS, NKB = T.dynamic("R H Pages PS Hkv B MP NQ HS NS NKB")
     # The partials' rows and heads are sizes of their own: `direct` passes 1-row placeholders.
     RP, HP = T.dynamic("RP HP")
     sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh = T.dynamic("sqr sqh skp sks skh svp svs svh sor soh", "int64")
@@ -228,11 +252,12 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
     @T.prim_func
     def main(
         Q: T.StridedTensor((R, H, dim), (sqr, sqh, 1), dtype),
-        K: T.StridedTensor((Pages, PS, Hkv, dim), (skp, sks, skh, 1), dtype),
-        V: T.StridedTensor((Pages, PS, Hkv, dim), (svp, svs, svh, 1), dtype),
+        K: T.StridedTensor((Pages, PS, Hkv, dim), (skp, sks, skh, 1), kv_dtype),
+        V: T.StridedTensor((Pages, PS, Hkv, dim), (svp, svs, svh, 1), kv_dtype),
         BT: T.Tensor((B, MP), "int32"),
         SeqK: T.Tensor((B,), "int32"),
         CuQ: T.Tensor((NQ,), "int32"),
+        KBase: T.Tensor((NKB,), "int32"),
         Sinks: T.Tensor((HS,), accum),
         PO: T.Tensor((NS, RP, HP, dim), accum),
         PL: T.Tensor((NS, RP, HP), accum),
@@ -247,20 +272,31 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
         packed_rows: T.int32,
         has_sinks: T.int32,
         direct: T.int32,
+        flags: T.int32,
+        KS: T.Tensor((1,), accum),
+        VS: T.Tensor((1,), accum),
+        v_mult: T.float32,
     ):
         with T.Kernel(T.ceildiv(packed_rows, block_m), Hkv, B * num_splits, threads=threads) as (bx, kvh, bz):
             (Q_s, K_s, V_s, pg, sl, next_page, row_q, row_h, row_pos, acc_s, acc_p, acc_o,
-             m_run, m_prev, m_off, alpha, row_sum, l_run) = _alloc(block_m, block_n, dim, num_stages, dtype)
+             m_run, m_prev, m_off, alpha, row_sum, l_run) = _alloc(block_m, block_n, dim, num_stages, mma, kv_dtype)
+            # An FP8 ring's tiles upcast for the MMAs (read only after the upcast's barrier, rewritten after the
+            # iteration's last one)
+            K16 = T.alloc_shared((1, block_n, dim), mma) if fp8 else K_s
+            V16 = T.alloc_shared((1, block_n, dim), mma) if fp8 else V_s
             # The wrapper checks the layout rule (16-byte aligned strides), which 16-byte cp.async and the TMA tensor
             # maps (strides in multiples of 16 bytes) both need, and 16-byte stores of the output.
-            assume_aligned(sqr, sqh, skp, sks, skh, svp, svs, svh, sor, soh)
-            b, split, group, q0, sq, sk, lo, hi, t0, n, k_lo, mode = alloc_vars(12)
+            assume_aligned(sqr, sqh, sor, soh)
+            assume_aligned(skp, sks, skh, svp, svs, svh, elems=16 // itemsize(kv_dtype))
+            b, split, group, q0, sq, sk, lo, hi, t0, n, k_lo, mode, base = alloc_vars(13)
+            qk, sl2, cap_mul, norm = alloc_vars(4, accum)
             # Per ring stage: the tile landed (one arrival by the elected thread, plus the TMA bytes of a TMA tile).
             bars = T.alloc_barrier([1] * num_stages)
             b = T.truncdiv(bz, num_splits)
             split = T.truncmod(bz, num_splits)
             group = T.truncdiv(H, Hkv)
             q0 = CuQ[b]
+            base = T.if_then_else((flags & KEY_BASE) != 0, KBase[T.min(b, NKB - 1)], 0)
             sq = CuQ[b + 1] - q0
             # Keys past the block_table row's capacity do not exist (seq_lens_k is clamped to it).
             sk = T.min(T.max(SeqK[b], 0), MP * PS)
@@ -283,8 +319,24 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
 
             _rows(row_q, row_h, row_pos, q0, sq, sk - sq, bx * block_m, group, kvh, block_m)
             T.sync_threads()
-            for i, d in T.Parallel(block_m, dim):
-                Q_s[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
+            # The scores' factor (k_scale over the query's FP16 multiplier) and the output's (v_scale): FP8 only.
+            qk = 1.0
+            norm = 1.0
+            if fp8 and dtype != mma:
+                Qf = T.alloc_fragment((block_m, dim), dtype)
+                for i, d in T.Parallel(block_m, dim):
+                    Qf[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
+                scale_into_fp16(Qf, Q_s, T.alloc_fragment((block_m,), dtype), T.alloc_shared((block_m,), dtype), qk)
+                qk = 1.0 / qk
+            else:
+                for i, d in T.Parallel(block_m, dim):
+                    Q_s[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
+            if fp8:
+                qk = qk * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1))
+                norm = T.if_then_else((flags & V_SCALE_DEV) != 0, VS[0], v_mult)
+            # k_scale enters the tanh's argument with softcap (scores in natural units), else the softmax's factor
+            sl2 = T.if_then_else(softcap_value > 0, scale_log2, scale_log2 * qk)
+            cap_mul = softcap_mul * qk
             T.fill(acc_o, 0)
             T.fill(l_run, 0)
             T.fill(m_run, NEG_INF)
@@ -293,19 +345,20 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
             ids = num_stages + 1
             for s in T.serial(num_stages):
                 if s < n:
-                    _fetch(next_page, BT, K, b, lo + (t0 + s) * block_n, block_n)
-                    _place(pg, sl, next_page, K, s, lo + (t0 + s) * block_n, k_lo, hi, block_n)
+                    _fetch(next_page, BT, K, b, lo + (t0 + s) * block_n, base, block_n)
+                    _place(pg, sl, next_page, K, s, lo + (t0 + s) * block_n, base, k_lo, hi, block_n)
             T.sync_threads()
             for s in T.serial(num_stages - 1):
                 if s < n:
-                    mode = _mode(pg, K, s, lo + (t0 + s) * block_n, k_lo, hi, block_n)
+                    mode = _mode(pg, K, s, lo + (t0 + s) * block_n, base, k_lo, hi, block_n)
                     _issue(K, V, K_s, V_s, pg, sl, bars, mode, s, s, kvh, block_n, dim, threads)
                 T.ptx_commit_group()
             for t in T.serial(n):
                 if t + num_stages < n:
-                    _fetch(next_page, BT, K, b, lo + (t0 + t + num_stages) * block_n, block_n)
+                    _fetch(next_page, BT, K, b, lo + (t0 + t + num_stages) * block_n, base, block_n)
                 if t + num_stages - 1 < n:
-                    mode = _mode(pg, K, (t + num_stages - 1) % ids, lo + (t0 + t + num_stages - 1) * block_n, k_lo, hi, block_n)
+                    mode = _mode(pg, K, (t + num_stages - 1) % ids, lo + (t0 + t + num_stages - 1) * block_n, base, k_lo, hi,
+                                 block_n)
                     _issue(K, V, K_s, V_s, pg, sl, bars, mode, (t + num_stages - 1) % num_stages, (t + num_stages - 1) % ids, kvh,
                            block_n, dim, threads)
                 T.ptx_commit_group()
@@ -313,22 +366,31 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages):
                 T.mbarrier_wait_parity(bars[t % num_stages], T.truncmod(T.truncdiv(t, num_stages), 2))  # its TMA bytes
                 T.sync_threads()  # everyone's cp.async copies
                 T.fence_proxy_async()  # cp.async writes, read by wgmma (the async proxy)
-                T.gemm(Q_s, K_s[t % num_stages, :, :], acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                st = 0 if fp8 else t % num_stages
+                if fp8:
+                    for j, d in T.Parallel(block_n, dim):
+                        K16[0, j, d] = T.cast(K_s[t % num_stages, j, d], mma)
+                    for j, d in T.Parallel(block_n, dim):
+                        V16[0, j, d] = T.cast(V_s[t % num_stages, j, d], mma)
+                    T.fence_proxy_async()  # the upcast's stores, read by wgmma
+                    T.sync_threads()
+                T.gemm(Q_s, K16[st, :, :], acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if softcap_value > 0:
                     for i, j in T.Parallel(block_m, block_n):
-                        acc_s[i, j] = softcap_value * T.tanh(acc_s[i, j] * softcap_mul)
+                        acc_s[i, j] = softcap_value * T.tanh(acc_s[i, j] * cap_mul)
                 _mask(acc_s, pg, row_pos, t % ids, lo + (t0 + t) * block_n, left, right, block_m, block_n, has_left, has_right)
-                online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, scale_log2, block_m, block_n)
+                online_softmax(acc_s, m_run, m_prev, m_off, alpha, row_sum, l_run, sl2, block_m, block_n)
                 T.copy(acc_s, acc_p)
                 for i, d in T.Parallel(block_m, dim):
                     acc_o[i, d] *= alpha[i]
-                T.gemm(acc_p, V_s[t % num_stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(acc_p, V16[st, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                 if t + num_stages < n:  # the slot of tile t - 1, read by no one since the last barrier
-                    _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, k_lo, hi, block_n)
+                    _place(pg, sl, next_page, K, (t + num_stages) % ids, lo + (t0 + t + num_stages) * block_n, base, k_lo, hi,
+                           block_n)
                 T.sync_threads()  # stage t % num_stages is refilled, and these ids read, in the next iteration
             if direct > 0:
-                _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_prev, alpha, row_sum, row_q, row_h, has_sinks, block_m, dim)
+                _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_prev, alpha, row_sum, row_q, row_h, has_sinks, norm, block_m, dim)
             else:
-                _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, block_m, dim)
+                _store_partial(PO, PL, Sinks, acc_o, m_off, l_run, row_q, row_h, split, num_splits, has_sinks, norm, block_m, dim)
 
     return main.with_attr("tilelang_pass_configs", {"tl.enable_fast_math": True})

@@ -6,7 +6,7 @@ and slots and the rows' metadata in shared memory; S, P and O in the registers o
 packed rows.
 """
 
-from mate._hopper import MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, THREADS_PER_SM, warpgroups
+from mate._hopper import FP8_KV, MAX_REGS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA, THREADS_PER_SM, warpgroups
 from mate._stage import Stage
 from mate.swa.kernels.gqa_card import tile_limits, tile_regs, tile_smem
 
@@ -47,4 +47,8 @@ STAGE = Stage(
                       dict(batch=64, context=8192, rows=4, page=16, heads=64, kv_heads=8)]),
     workload="gqa_decode_workload",
     tol=1e-2,
+    # FP8 K/V caches (issue 38): a compile-time option on the entry's tiles. Its ring at one byte an element and the
+    # upcast K and V tiles take no more shared memory than the 16-bit ring at num_stages >= 2 (2 S + 4 <= 4 S
+    # bytes per key and feature), so the entry's limits and resident_ctas hold for it.
+    variants=lambda spec: [{"kv_dtype": kv} for kv in FP8_KV],
 )
