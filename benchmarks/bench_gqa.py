@@ -278,6 +278,9 @@ def decode(args) -> dict:
         kc, vc = rnd(pages, ps, HKV, D), rnd(pages, ps, HKV, D)
         table = torch.randperm(pages, device=dev).int().view(nd, ctx // ps)  # pages in random order
         kd, vd = (x[table.long()].view(nd, ctx, HKV, D) for x in (kc, vc))  # the same keys, dense
+        # the same cache in each FP8 kind (--kv-dtype), quantized once for every row of this (D, page size)
+        fp8 = {name: tuple(quantize(x, FP8_KINDS[name], s) for x, s in ((kc, K_SCALE), (vc, V_SCALE))) for name in args.kv_dtype}
+        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
         for sq in args.rows:
             q = rnd(nd, sq, H, D)
             out = torch.empty_like(q)
@@ -297,9 +300,7 @@ def decode(args) -> dict:
                            bytes=nbytes, TB_s=nbytes / ms / 1e9, of_peak_bandwidth=nbytes / ms / 1e-3 / PEAK_BYTES,
                            tflops=4.0 * nd * H * D * seen / ms / 1e9, err_vs_reference=rel_err(out[:8], ref),
                            tiles=shipped_tiles("sm90", "gqa_decode", gqa_config_key(torch.bfloat16, D, window)), other_tiles=alt)
-                for name in args.kv_dtype:
-                    k8, v8 = (quantize(x, FP8_KINDS[name], s) for x, s in ((kc, K_SCALE), (vc, V_SCALE)))
-                    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+                for name, (k8, v8) in fp8.items():
                     out8 = torch.empty_like(q)
                     ms8 = timed_ms(lambda: mate.gqa_attention(q, k8, v8, out=out8, **kw, **scales))
                     ref8 = mate.gqa_attention(q[:8], k8, v8, **{**kw, "block_table": table[:8], "seq_lens_k": lens[:8]},
@@ -307,7 +308,6 @@ def decode(args) -> dict:
                     bytes8 = nbytes - nd * HKV * keys * D * 2  # K and V at one byte an element
                     row[name] = dict(ms=ms8, bytes=bytes8, TB_s=bytes8 / ms8 / 1e9, of_bf16_time=ms8 / ms,
                                      err_vs_reference=rel_err(out8[:8], ref8), err_vs_bf16=rel_err(out8, out))
-                    del k8, v8
                 if ps == 64:  # the padded call and the baseline on the dense visible keys, once per shape
                     outp = torch.empty_like(q)
                     row["mate_padded_ms"] = timed_ms(lambda: mate.gqa_attention(q, kd, vd, sliding_window=window, out=outp))
@@ -320,7 +320,7 @@ def decode(args) -> dict:
                                        baseline_TB_s=nbytes / bms / 1e9, speedup_vs_baseline=bms / ms,
                                        err_vs_baseline=rel_err(out, fn().transpose(1, 2)))
                 add(row)
-        del kc, vc, kd, vd
+        del kc, vc, kd, vd, fp8
         torch.cuda.empty_cache()
     return meta
 

@@ -96,3 +96,12 @@ def scale_into_fp16(Qf, Qs, qmax, qmax_s, qmul: T.Ref):
     qmul = T.reinterpret(T.min(T.max(267 - biased, 1), 254) << 23, "float32")
     for i, d in T.Parallel(Qf.shape[0], Qf.shape[1]):
         Qs[i, d] = T.cast(T.cast(Qf[i, d], "float32") * qmul, Qs.dtype)
+
+
+@T.macro
+def upcast_stage(X8, Xs, st):
+    """Ring stage st of an FP8 tile [stages, rows, D] into the MMA's one-stage FP16 tile Xs, exactly (every e4m3 / e5m2
+    value is an FP16 one): one cvt.rn.f16x2 a pair. (Upcast to BF16, each pair took that cvt and two cvt.rn.bf16.f16
+    more.)"""
+    for k, d in T.Parallel(X8.shape[1], X8.shape[2]):
+        Xs[0, k, d] = T.cast(X8[st, k, d], Xs.dtype)

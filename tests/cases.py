@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import mate
-from inputs import fp8_cache, nsa_indices, qsa_token_rows, randint, randn, tail_view
+from inputs import K_SCALE, V_SCALE, fp8_cache, fp8_quantized, fp8_scales, nsa_indices, qsa_token_rows, randint, randn, tail_view
 from mate.tuning.workloads import indexer_like_scores
 
 I32 = torch.int32
@@ -223,16 +223,12 @@ def _kv(gen, shape, device, kv_dtype, scale):
     """A K or V tensor at a storage offset: BF16 (kv_dtype None), or FP8 (issue 38) of unit-scale values / scale."""
     if kv_dtype is None:
         return tail_view(gen, shape, device=device)
-    return (torch.randn(shape[0] + 1, *shape[1:], generator=gen) / scale).to(kv_dtype).to(device)[1:]
+    return fp8_quantized(torch.randn(shape[0] + 1, *shape[1:], generator=gen), kv_dtype, scale).to(device)[1:]
 
 
 def _scales(kv_dtype, tensor_scale, device):
-    """The call's k_scale / v_scale of an FP8 case: 0.02 / 0.03 as floats or one-element FP32 device tensors."""
-    if kv_dtype is None:
-        return {}
-    if tensor_scale:
-        return dict(k_scale=torch.tensor([0.0, 0.02], device=device)[1], v_scale=torch.tensor([0.03], device=device))
-    return dict(k_scale=0.02, v_scale=0.03)
+    """The call's k_scale / v_scale of an FP8 case (inputs.fp8_scales), none for a 16-bit one."""
+    return {} if kv_dtype is None else fp8_scales(tensor_scale, device)
 
 
 def gqa_varlen(window, D, kv_dtype=None, tensor_scale=False):
@@ -246,8 +242,8 @@ def gqa_varlen(window, D, kv_dtype=None, tensor_scale=False):
     def make(device, gen):
         scales = _scales(kv_dtype, tensor_scale, device)
         q = tail_view(gen, (sum(lens_q), H, D), device=device)
-        k = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, 0.02)[:-5]  # an unused tail past cu_seqlens_k[B]
-        v = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, 0.03)[:-5]
+        k = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, K_SCALE)[:-5]  # an unused tail past cu_seqlens_k[B]
+        v = _kv(gen, (sum(lens_k) + 5, Hkv, D), device, kv_dtype, V_SCALE)[:-5]
         cu_q = torch.zeros(len(lens_q) + 1, dtype=I32, device=device)
         cu_k = torch.zeros_like(cu_q)
         sinks = torch.empty(H, device=device)
@@ -283,8 +279,8 @@ def gqa_paged_decode(lens, window, kv_dtype=None, tensor_scale=False):
         H, Hkv, D, ps = 8, 2, 128, 16
         scales = _scales(kv_dtype, tensor_scale, device)
         need = [-(-n // ps) for n in lens]
-        k = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, 0.02)
-        v = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, 0.03)
+        k = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, K_SCALE)
+        v = _kv(gen, (sum(need) + 2, ps, Hkv, D), device, kv_dtype, V_SCALE)
         table = torch.full((len(lens), max(need) + 1), -1, dtype=I32)
         order = torch.randperm(sum(need), generator=gen).tolist()
         for b, n in enumerate(need):
@@ -351,8 +347,8 @@ def qsa_paged(device, gen, kv_dtype=None):
     rows = 13
     scales = _scales(kv_dtype, False, device)
     query = tail_view(gen, (rows, hq, D), device=device)
-    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.02)
-    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.03)
+    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, K_SCALE)
+    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, V_SCALE)
     cu = torch.tensor([0, 6, rows], dtype=I32, device=device)
     table = torch.zeros(n_req, max_pages, dtype=I32, device=device)
     lens_k = torch.zeros(n_req, dtype=I32, device=device)
@@ -380,8 +376,8 @@ def qsa_split(device, gen, kv_dtype=None):
     n_req, hq, hkv, D, ps, pages, max_pages, width = 3, 24, 2, 256, 64, 9, 4, 300
     scales = _scales(kv_dtype, True, device)
     query = tail_view(gen, (n_req, hq, D), device=device)
-    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.02)
-    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, 0.03)
+    key = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, K_SCALE)
+    value = _kv(gen, (pages, ps, hkv, D), device, kv_dtype, V_SCALE)
     gate = tail_view(gen, (n_req, hq), device=device)
     cu = torch.arange(n_req + 1, dtype=I32, device=device)
     table = torch.zeros(n_req, max_pages, dtype=I32, device=device)

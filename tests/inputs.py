@@ -30,6 +30,31 @@ def fp8_cache(gen, *shape, device, dtype):
     return x.clamp(-fmax, fmax).to(dtype).to(device)  # clamped: e4m3fn has no inf, an overflow would be NaN
 
 
+FP8_KV = (torch.float8_e4m3fn, torch.float8_e5m2)
+K_SCALE, V_SCALE = 0.02, 0.03  # issue 38's; K/V of unit scale quantize to values up to ~250 (e4m3's max: 448)
+
+
+def fp8_quantized(x, kv_dtype, scale):
+    """x / scale (in x's dtype) in FP8, finite values clamped to the format's range (e4m3fn has no Inf: an overflow
+    would be NaN); NaN garbage stays NaN, +-Inf becomes NaN (e4m3fn) or stays Inf (e5m2)."""
+    y = x / scale
+    fmax = torch.finfo(kv_dtype).max
+    return torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(kv_dtype)
+
+
+def fp8_scales(tensor_scale, device):
+    """An FP8 call's scale keywords: K_SCALE / V_SCALE as floats, or one-element FP32 tensors of the device (a 0-dim
+    one at a storage offset for k_scale)."""
+    if tensor_scale:
+        return dict(k_scale=torch.tensor([0.0, K_SCALE], device=device)[1], v_scale=torch.tensor([V_SCALE], device=device))
+    return dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+def fp8_kv(k, v, kv_dtype, tensor_scale):
+    """K/V quantized at K_SCALE / V_SCALE, and the call's scale keywords (fp8_scales)."""
+    return fp8_quantized(k, kv_dtype, K_SCALE), fp8_quantized(v, kv_dtype, V_SCALE), fp8_scales(tensor_scale, k.device)
+
+
 def randint(gen, lo, hi, shape, device="cpu"):
     return torch.randint(lo, hi, shape, generator=gen, dtype=I32).to(device)
 

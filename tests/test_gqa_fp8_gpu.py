@@ -10,31 +10,13 @@ import torch
 import garbage as G
 import mate
 from mate.tuning.measure import capture_graph
+from inputs import FP8_KV, K_SCALE, V_SCALE, fp8_kv
 from test_gqa_gpu import assert_attention_matches, run_both
 from test_gqa_options_gpu import LENS_K, LENS_Q, PAGED_LENS_K, offsets, paged_cache, randn, split_policy  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-K_SCALE, V_SCALE = 0.02, 0.03  # the issue's
-
-
-def quantized(x, kv_dtype, scale):
-    """x / scale in FP8, finite values clamped to the format's range (e4m3fn has no Inf: an overflow would be NaN);
-    NaN stays NaN and +-Inf becomes NaN (e4m3fn) or stays Inf (e5m2): garbage either way."""
-    y = x.float() / scale
-    fmax = torch.finfo(kv_dtype).max
-    return torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(kv_dtype)
-
-
-def scales(tensor_scale):
-    if tensor_scale:  # a 0-dim view at a storage offset, and a (1,) tensor
-        return dict(k_scale=torch.tensor([0.0, K_SCALE], device="cuda")[1], v_scale=torch.tensor([V_SCALE], device="cuda"))
-    return dict(k_scale=K_SCALE, v_scale=V_SCALE)
-
-
-def fp8_pair(k, v, kv_dtype):
-    return quantized(k, kv_dtype, K_SCALE), quantized(v, kv_dtype, V_SCALE)
+FP8 = list(FP8_KV)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
@@ -48,8 +30,8 @@ def test_fp8_paged_matches_reference(kv_dtype, tensor_scale, dim, window, split_
     dtype = torch.float16 if dim == 64 and window is None else torch.bfloat16
     page_size = {None: 16, (-1, 0): 32, (300, 0): 64}[window]
     k, v, table, lens = paged_cache(PAGED_LENS_K, page_size, Hkv, dim, torch.float32)
-    k8, v8 = fp8_pair(k, v, kv_dtype)
-    kw = dict(block_table=table, seq_lens_k=lens, **scales(tensor_scale))
+    k8, v8, scales = fp8_kv(k, v, kv_dtype, tensor_scale)
+    kw = dict(block_table=table, seq_lens_k=lens, **scales)
     for sq, sinks, softcap in [(1, False, False), (8, True, False), (3, True, True), (100, False, True)]:
         opts = dict(sinks=torch.randn(H, device="cuda") * 2 if sinks else None, softcap=15.0 if softcap else None)
         q = randn(len(PAGED_LENS_K), sq, H, dim, dtype=dtype, scale=2.0)
@@ -75,9 +57,9 @@ def test_fp8_varlen_matches_reference(kv_dtype, dim, window, split_policy):
     used[head : head + sum(LENS_K)] = True
     for x in (k, v):
         G.poison_unused(x, used)
-    k8, v8 = fp8_pair(k, v, kv_dtype)
+    k8, v8, scales = fp8_kv(k, v, kv_dtype, True)
     kw = dict(cu_seqlens_q=offsets(LENS_Q), cu_seqlens_k=offsets(LENS_K, head), max_seqlen_q=max(LENS_Q),
-              max_seqlen_k=max(LENS_K), **scales(True))
+              max_seqlen_k=max(LENS_K), **scales)
     assert_attention_matches(*run_both(q, k8, v8, window, **kw))
     assert_attention_matches(*run_both(q, k8, v8, window, sinks=torch.randn(H, device="cuda"), softcap=10.0, **kw))
 
@@ -89,8 +71,9 @@ def test_fp8_padded_matches_reference(kv_dtype, sq, split_policy):
     and MHA groups."""
     for H, Hkv in [(32, 8), (16, 1), (4, 4)]:
         q = randn(2, sq, H, 128, dtype=torch.bfloat16, scale=2.0)
-        k8, v8 = fp8_pair(randn(2, 1333, Hkv, 128, dtype=torch.float32, scale=2.0), randn(2, 1333, Hkv, 128, dtype=torch.float32), kv_dtype)
-        assert_attention_matches(*run_both(q, k8, v8, (-1, 0), **scales(False)))
+        k8, v8, scales = fp8_kv(randn(2, 1333, Hkv, 128, dtype=torch.float32, scale=2.0), randn(2, 1333, Hkv, 128, dtype=torch.float32),
+                                kv_dtype, False)
+        assert_attention_matches(*run_both(q, k8, v8, (-1, 0), **scales))
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
@@ -100,10 +83,10 @@ def test_fp8_query_range(kv_dtype, magnitudes):
     far outside FP16's range, and heads of very different sizes in one tile, still match the reference."""
     H, Hkv = 16, 2
     k, v, table, lens = paged_cache(PAGED_LENS_K, 32, Hkv, 128, torch.float32, poison=False)
-    k8, v8 = fp8_pair(k, v, kv_dtype)
+    k8, v8, scales = fp8_kv(k, v, kv_dtype, False)
     mags = torch.tensor(magnitudes, device="cuda").repeat(H)[:H]
     q = (randn(len(PAGED_LENS_K), 2, H, 128, dtype=torch.float32) * mags[None, None, :, None]).to(torch.bfloat16)
-    out, lse, ref_out, ref_lse = run_both(q, k8, v8, None, block_table=table, seq_lens_k=lens, **scales(False))
+    out, lse, ref_out, ref_lse = run_both(q, k8, v8, None, block_table=table, seq_lens_k=lens, **scales)
     fin = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=5e-5, atol=2e-3)  # the LSE grows with the query: relative (FP32 rounding of logits ~1e5)
     assert_attention_matches(out, ref_lse, ref_out, ref_lse)
@@ -112,9 +95,9 @@ def test_fp8_query_range(kv_dtype, magnitudes):
 def test_fp8_garbage_changes_nothing(split_policy):
     """NaN bytes in unowned pages, last pages' tails and -1 pages: bit-identical to zeros there."""
     k, v, table, lens = paged_cache([3000, 17, 64, 1], 16, 2, 128, torch.float32)
-    k8, v8 = fp8_pair(k, v, torch.float8_e4m3fn)
+    k8, v8, scales = fp8_kv(k, v, torch.float8_e4m3fn, True)
     q = randn(4, 4, 8, 128, dtype=torch.bfloat16)
-    kw = dict(block_table=table, seq_lens_k=lens, sinks=torch.randn(8, device="cuda"), return_lse=True, **scales(True))
+    kw = dict(block_table=table, seq_lens_k=lens, sinks=torch.randn(8, device="cuda"), return_lse=True, **scales)
     clean_k, clean_v = (x.view(torch.uint8).masked_fill(x.float().isnan(), 0).view(x.dtype) for x in (k8, v8))
     for window in [None, (100, 0)]:
         dirty = mate.gqa_attention(q, k8, v8, sliding_window=window, **kw)
@@ -133,9 +116,9 @@ def test_fp8_deterministic_and_error_against_bf16():
     kw = dict(block_table=table, seq_lens_k=lens)
     bf16 = mate.gqa_attention(q, k, v, **kw).float()
     for kv_dtype in FP8:
-        k8, v8 = fp8_pair(k, v, kv_dtype)
-        out = mate.gqa_attention(q, k8, v8, **kw, **scales(False))
-        assert torch.equal(out, mate.gqa_attention(q, k8, v8, **kw, **scales(False)))
+        k8, v8, scales = fp8_kv(k.float(), v.float(), kv_dtype, False)
+        out = mate.gqa_attention(q, k8, v8, **kw, **scales)
+        assert torch.equal(out, mate.gqa_attention(q, k8, v8, **kw, **scales))
         err = float((out.float() - bf16).norm() / bf16.norm())
         print(f"{kv_dtype}: relative error against the BF16 cache {err:.2e}")
         assert err < 0.2  # e5m2 keeps 2 mantissa bits: ~2x e4m3's error
@@ -146,7 +129,7 @@ def test_fp8_graph_replay_with_new_scales_and_lengths():
     replay, match the reference (the kernel reads the scales on the GPU, no host sync)."""
     H, Hkv, D, B = 16, 2, 128, 6
     k, v, table, lens = paged_cache([500, 1, 2000, 64, 0, 1234], 32, Hkv, D, torch.float32, hole=False, poison=False)
-    k8, v8 = fp8_pair(k, v, torch.float8_e4m3fn)
+    k8, v8, _ = fp8_kv(k, v, torch.float8_e4m3fn, False)
     q = randn(B, 1, H, D, dtype=torch.bfloat16)
     ks, vs = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
     out = torch.empty_like(q)

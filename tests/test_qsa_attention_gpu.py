@@ -15,7 +15,7 @@ import mate
 from mate.qsa import attention
 from helpers import capture_graph, poison_allocator
 from common import qsa_serving_problem
-from inputs import qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
+from inputs import FP8_KV, K_SCALE, V_SCALE, fp8_kv, qsa_kv_layout, qsa_physical_layout, qsa_query_layout, qsa_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -228,18 +228,7 @@ def test_graph_replay_with_new_metadata(splits, family):
 
 # ---------------------------------------------------------------- FP8 K/V caches (issue 38)
 
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-K_SCALE, V_SCALE = 0.02, 0.03  # the issue's; K/V of unit scale quantize to values up to ~250 (e4m3's max: 448)
-
-
-def fp8_kv(k, v, kv_dtype, tensor_scale):
-    """K/V quantized at K_SCALE / V_SCALE (NaN garbage in unused places stays NaN), and the call's scale keywords:
-    floats, or one-element FP32 tensors of the device (a 0-dim one at a storage offset for k_scale)."""
-    k8, v8 = ((x / s).to(kv_dtype) for x, s in ((k, K_SCALE), (v, V_SCALE)))
-    if tensor_scale:
-        ks = torch.tensor([0.0, K_SCALE], device=k.device)[1]
-        return k8, v8, dict(k_scale=ks, v_scale=torch.tensor([V_SCALE], device=k.device))
-    return k8, v8, dict(k_scale=K_SCALE, v_scale=V_SCALE)
+FP8 = list(FP8_KV)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])

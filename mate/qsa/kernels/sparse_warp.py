@@ -22,7 +22,7 @@ macros, shared), so the two programs take the same arguments.
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence, scale_into_fp16
+from mate._tl import FENCE_SOURCE, fence, scale_into_fp16, upcast_stage
 from mate.qsa.kernels.sparse import (
     GATE_NATIVE, HAS_GATE, K_SCALE_DEV, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS, V_SCALE_DEV,
     ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, _list_share, _prefetch_metadata, _row_keys, _row_request,
@@ -99,14 +99,6 @@ def _gather_rows(X, Xs, offsets, st, i, lane, block_n, vec):
             # X[0, 0, 0, e] is element e of X's storage: the offset spans the row's page, slot and head
             T.ptx_cp_async(T.access_ptr(Xs[st, k, d], "w", vec), T.access_ptr(X[0, 0, 0, T.Cast("int64", T.max(off, 0)) * vec + d], "r", vec),
                            vec, predicate=off >= 0)
-
-
-@T.macro
-def _upcast(X8, Xs, st, block_n):
-    """Ring stage st of an FP8 tile into the MMA's FP16 tile, exactly (every e4m3 / e5m2 value is an FP16 one):
-    one cvt.rn.f16x2 a pair. (Upcast to BF16, each pair took that cvt and two cvt.rn.bf16.f16 more.)"""
-    for k, d in T.Parallel(block_n, DIM):
-        Xs[0, k, d] = T.cast(X8[st, k, d], Xs.dtype)
 
 
 @T.macro
@@ -307,8 +299,8 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
                     fence()
                     st = (i - num_stages + 1) % num_stages
                     if fp8:
-                        _upcast(Kr, Ks, st, block_n)
-                        _upcast(Vr, Vs, st, block_n)
+                        upcast_stage(Kr, Ks, st)
+                        upcast_stage(Vr, Vs, st)
                         T.sync_threads()
                     _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, 0 if fp8 else st,
                             i - num_stages + 1, scale_log2, block_n)

@@ -67,7 +67,7 @@ its gather: the one warpgroup's per-tile chain is, at one row mostly the 64-row 
 import tilelang.language as T
 
 from mate._hopper import FP8_KV, itemsize
-from mate._tl import alloc_vars, assume_aligned, scale_into_fp16
+from mate._tl import alloc_vars, assume_aligned, scale_into_fp16, upcast_stage
 from mate.swa.kernels.gqa import LN2, LOG2E, NEG_INF, online_softmax
 
 # TileLang lowers the T.tma_copy's (TMA lowering stays on); no warp specialization (one warpgroup issues the
@@ -368,10 +368,8 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages, kv_dty
                 T.fence_proxy_async()  # cp.async writes, read by wgmma (the async proxy)
                 st = 0 if fp8 else t % num_stages
                 if fp8:
-                    for j, d in T.Parallel(block_n, dim):
-                        K16[0, j, d] = T.cast(K_s[t % num_stages, j, d], mma)
-                    for j, d in T.Parallel(block_n, dim):
-                        V16[0, j, d] = T.cast(V_s[t % num_stages, j, d], mma)
+                    upcast_stage(K_s, K16, t % num_stages)
+                    upcast_stage(V_s, V16, t % num_stages)
                     T.fence_proxy_async()  # the upcast's stores, read by wgmma
                     T.sync_threads()
                 T.gemm(Q_s, K16[st, :, :], acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
