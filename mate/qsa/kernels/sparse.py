@@ -95,7 +95,7 @@ import tilelang.language as T
 from tvm import tirx
 
 from mate._tl import (
-    FENCE_SOURCE, alloc_softmax_keys_as_m, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+    FENCE_SOURCE, alloc_softmax_keys_as_m, alloc_vars, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
 )
 from mate.qsa.kernels.sparse_card import CONSUMER_THREADS, DECODE_TILES, DIM, TILE
 
@@ -265,18 +265,23 @@ def _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, 
 
 
 @T.macro
+def token_id(TI, BI, tok, j, s, row, last, block_slots: T.Ref, blocks, NB):
+    """tok[j]: the token id of list slot s of the row (-1: none); both families' decode."""
+    tok[j] = -1
+    if s < last:
+        if s < block_slots:
+            blk = BI[row, s // 4]
+            tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
+        else:
+            # the tail tokens follow the 4 * NB block tokens in token_indices
+            tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+
+
+@T.macro
 def _decode_tokens(TI, BI, tok, row, it, ptx, first, last, block_slots: T.Ref, blocks, NB, producers):
     """The token ids of this thread's slots of the next DECODE_TILES tiles (-1: none), all loads in flight."""
     for j in T.unroll(DECODE_TILES * TILE // producers):
-        s = first + it * TILE + j * producers + ptx
-        tok[j] = -1
-        if s < last:
-            if s < block_slots:
-                blk = BI[row, s // 4]
-                tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
-            else:
-                # the tail tokens follow the 4 * NB block tokens in token_indices
-                tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+        token_id(TI, BI, tok, j, first + it * TILE + j * producers + ptx, row, last, block_slots, blocks, NB)
 
 
 @T.macro
@@ -474,6 +479,44 @@ def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, 
                 LSE[row, h0 + h] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
+class Signature:
+    """The tensor types of the QSA attention programs' arguments, which both families take in this order (the
+    small-CTA one adds KS, VS and v_mult), with the dynamic sizes and strides they bind. Q's feature stride is
+    sqd, or 1 where the program assumes it (`unit_q`); K and V are in kv_dtype; O and LSE are every split's FP32
+    partials for `merge` (`partials`), else the caller's output and LSE."""
+
+    def __init__(self, dtype, kv_dtype, partials, unit_q):
+        R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
+        NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
+        RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
+        (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
+            "sqr sqh sqd skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
+        )
+        sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
+        shr, shh, shd = T.dynamic("shr shh shd", "int64")
+        self.R, self.HQ, self.P, self.PS, self.HKV, self.W, self.NB, self.BTB, self.MP, self.NM = R, HQ, P, PS, HKV, W, NB, BTB, MP, NM
+        self.NSLK, self.SPL = NSLK, SPL
+        self.q_strides, self.kv_strides = (sqr, sqh), (skp, sks, skh, svp, svs, svh)
+        self.Q = T.StridedTensor((R, HQ, DIM), (sqr, sqh, 1 if unit_q else sqd), dtype)
+        self.K = T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), kv_dtype)
+        self.V = T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), kv_dtype)
+        self.TI = T.StridedTensor((R, W), (sir, siw), "int32")
+        self.BI = T.StridedTensor((RB, NB), (sbr, sbw), "int32")
+        self.BT = T.StridedTensor((BTB, MP), (stb, stp), "int32")
+        self.ROWMAP = T.StridedTensor((NM,), (smm,), "int32")
+        self.SLQ = T.StridedTensor((NSLQ,), (slq,), "int32")
+        self.SLK = T.StridedTensor((NSLK,), (slk,), "int32")
+        self.QP = T.StridedTensor((NQP,), (sqp,), "int32")
+        self.G = T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32")
+        self.GH = T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype)
+        if partials:
+            self.O = T.Tensor((SPL, RO, HO, DIM), "float32")
+            self.LSE = T.Tensor((SPL, RL, HL), "float32")
+        else:
+            self.O = T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype)
+            self.LSE = T.StridedTensor((RL, HL), (slr, slh), "float32")
+
+
 def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, cluster=0):
     # `wide` (a grid of two CTAs or more per SM) only picks the config entry, i.e. the ring depth.
     # cluster (split only): the grid's splits of a (row, KV head) are one thread-block cluster of `cluster`
@@ -482,45 +525,16 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
     assert not cluster or split, "a cluster merges splits"
     threads = producers + CONSUMER_THREADS  # producer warpgroup(s), then the consumer warpgroup
     per_thread = DECODE_TILES * TILE // producers  # token slots a producer thread decodes per chunk
-    R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
-    NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
-    RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
-    (sqr, sqh, sqd, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
-        "sqr sqh sqd skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
-    )
-    sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
-    shr, shh, shd = T.dynamic("shr shh shd", "int64")
+    a = Signature(dtype, dtype, split and not cluster, unit_q=False)  # no cluster: every split's partials, for `merge`
+    R, HQ, P, PS, HKV, W, NB, BTB, MP, NM, NSLK, SPL = a.R, a.HQ, a.P, a.PS, a.HKV, a.W, a.NB, a.BTB, a.MP, a.NM, a.NSLK, a.SPL
     sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE  # one import per program
     sources += CLUSTER_SOURCE if cluster else ""
-    if split and not cluster:  # every split's FP32 partials, for `merge`
-        o_out = T.Tensor((SPL, RO, HO, DIM), "float32")
-        lse_out = T.Tensor((SPL, RL, HL), "float32")
-    else:
-        o_out = T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype)
-        lse_out = T.StridedTensor((RL, HL), (slr, slh), "float32")
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((R, HQ, DIM), (sqr, sqh, sqd), dtype),
-        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), dtype),
-        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), dtype),
-        TI: T.StridedTensor((R, W), (sir, siw), "int32"),
-        BI: T.StridedTensor((RB, NB), (sbr, sbw), "int32"),
-        BT: T.StridedTensor((BTB, MP), (stb, stp), "int32"),
-        ROWMAP: T.StridedTensor((NM,), (smm,), "int32"),
-        SLQ: T.StridedTensor((NSLQ,), (slq,), "int32"),
-        SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
-        QP: T.StridedTensor((NQP,), (sqp,), "int32"),
-        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
-        GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
-        O: o_out,
-        LSE: lse_out,
-        scale: T.float32,
-        row_mode: T.int32,
-        flags: T.int32,
-        n_req: T.int32,
-        q_len: T.int32,
-        chunk: T.int32,
+        Q: a.Q, K: a.K, V: a.V, TI: a.TI, BI: a.BI, BT: a.BT, ROWMAP: a.ROWMAP, SLQ: a.SLQ, SLK: a.SLK, QP: a.QP, G: a.G, GH: a.GH,
+        O: a.O, LSE: a.LSE,
+        scale: T.float32, row_mode: T.int32, flags: T.int32, n_req: T.int32, q_len: T.int32, chunk: T.int32,
     ):
         with (T.ClusterKernel(R, HKV, cluster, cluster_dims=(1, 1, cluster), threads=threads) if cluster
               else T.Kernel(R, HKV, SPL if split else 1, threads=threads)) as (row, kvh, sp):
@@ -552,19 +566,10 @@ def sparse_attention(dtype, split, wide, head_tile, num_stages, producers, clust
             v_full = T.alloc_barrier([2 * producers] * num_stages)
             v_empty = T.alloc_barrier([128] * num_stages)
             S, rowsum, Pf, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE, head_tile, DIM, dtype)
-            b = T.alloc_var("int32")
-            local = T.alloc_var("int32")
-            nrows = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            b, local, nrows, lo, hi = alloc_vars(5)
             tx = T.get_thread_binding()
             # The wrapper checks K/V: unit feature stride, 16-byte aligned base and strides.
-            T.assume(skp % 8 == 0)
-            T.assume(sks % 8 == 0)
-            T.assume(skh % 8 == 0)
-            T.assume(svp % 8 == 0)
-            T.assume(svs % 8 == 0)
-            T.assume(svh % 8 == 0)
+            assume_aligned(*a.kv_strides)
             if split and not cluster:
                 # the merge launch (programmatic dependent launch) may start once every CTA of this grid runs:
                 # its CTAs wait in griddepcontrol.wait for this grid's end, having been launched already

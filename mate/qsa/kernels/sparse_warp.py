@@ -22,10 +22,10 @@ macros, shared), so the two programs take the same arguments.
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, fence, scale_into_fp16, upcast_stage
+from mate._tl import FENCE_SOURCE, alloc_vars, assume_aligned, fence, scale_into_fp16, upcast_stage
 from mate.qsa.kernels.sparse import (
     GATE_NATIVE, HAS_GATE, K_SCALE_DEV, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS, V_SCALE_DEV,
-    ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, _list_share, _prefetch_metadata, _row_keys, _row_request,
+    ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, Signature, _list_share, token_id, _prefetch_metadata, _row_keys, _row_request,
 )
 from mate._hopper import FP8_KV, itemsize
 from mate.qsa.kernels.sparse_card import DIM, WARP, WARP_CHUNK
@@ -45,14 +45,7 @@ PER_LANE = CHUNK // WARP
 def _chunk_ids(TI, BI, tok, row, c, lane, first, last, block_slots: T.Ref, blocks, NB):
     """The token ids of this lane's slots of chunk c (-1: none); the loads are consumed a chunk later."""
     for j in T.unroll(PER_LANE):
-        s = first + c * CHUNK + j * WARP + lane
-        tok[j] = -1
-        if s < last:
-            if s < block_slots:
-                blk = BI[row, s // 4]
-                tok[j] = T.if_then_else(blk >= 0, blk * 4 + s % 4, -1)
-            else:
-                tok[j] = TI[row, s - block_slots + T.if_then_else(blocks, 4 * NB, 0)]
+        token_id(TI, BI, tok, j, first + c * CHUNK + j * WARP + lane, row, last, block_slots, blocks, NB)
 
 
 @T.macro
@@ -141,6 +134,50 @@ def _store(O, acc, alpha, row, h0, group, gate):
             O[row, hd, d] = acc[h, d] * alpha[h] / (1 + T.exp(-T.cast(gate[row, hd, d], "float32")))
 
 
+@T.macro
+def _load_q(Q, Qs, row, h0: T.Ref, group: T.Ref, qmul: T.Ref, fp8, dtype):
+    """The Q tile of the group's heads; an FP8 cache's is scaled into FP16 (scale_into_fp16), qmul its factor.
+    Heads past the group repeat its last head: their rows of S and O are finite and never stored."""
+    if fp8:
+        Qf = T.alloc_fragment((HEADS, DIM), dtype)
+        for h, d in T.Parallel(HEADS, DIM):
+            Qf[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+        scale_into_fp16(Qf, Qs, T.alloc_fragment((HEADS,), dtype), T.alloc_shared((HEADS,), dtype), qmul)
+    else:
+        for h, d in T.Parallel(HEADS, DIM):
+            Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+
+
+@T.macro
+def _finish(O, LSE, G, GH, acc, rowsum, l_sum, alpha, m_cur, row, sp, h0: T.Ref, group: T.Ref, qk_scale: T.Ref, norm: T.Ref,
+            flags, split):
+    """After the last tile: the softmax sums, then split's FP32 partial and LSE for `merge`, or the output (gated
+    when asked) and the LSE when asked."""
+    T.reduce_sum(rowsum, l_sum, dim=1)
+    for h in T.Parallel(HEADS):
+        alpha[h] = T.if_then_else(l_sum[h] > 0, norm / l_sum[h], 0)  # one division a head
+    if split:
+        for h, d in T.Parallel(HEADS, DIM):
+            if h < group:
+                O[sp, row, h0 + h, d] = acc[h, d] * alpha[h]
+        for h in T.Parallel(HEADS):
+            if h < group:
+                LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
+    else:
+        # one loop per gate kind, the flag tests outside it (prefill, one split, with the tests inside:
+        # 4358 us gated, 2762 ungated)
+        if (flags & HAS_GATE) == 0:
+            _store(O, acc, alpha, row, h0, group, None)
+        elif (flags & GATE_NATIVE) != 0:
+            _store(O, acc, alpha, row, h0, group, GH)
+        else:
+            _store(O, acc, alpha, row, h0, group, G)
+        if (flags & WRITE_LSE) != 0:
+            for h in T.Parallel(HEADS):
+                if h < group:
+                    LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
+
+
 def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     """The attention pass (mate.qsa.kernels.sparse's arguments, then KS, VS, v_mult); split: FP32 partials per
     split for `merge`.
@@ -157,47 +194,16 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     # FP8 K/V: FP16 MMAs, the query scaled by a power of two into FP16's range (scale_into_fp16)
     mma = "float16" if fp8 else dtype
     vec = 16 // itemsize(kv_dtype)
-    R, HQ, P, PS, HKV, W, RB, NB, BTB, MP, NM = T.dynamic("R HQ P PS HKV W RB NB BTB MP NM")
-    NSLQ, NSLK, NQP, RG, HG, DG, RO, HO, RL, HL, SPL = T.dynamic("NSLQ NSLK NQP RG HG DG RO HO RL HL SPL")
-    RGH, HGH, DGH = T.dynamic("RGH HGH DGH")
-    (sqr, sqh, skp, sks, skh, svp, svs, svh, sir, siw, sbr, sbw, stb, stp, smm, slq, slk, sqp) = T.dynamic(
-        "sqr sqh skp sks skh svp svs svh sir siw sbr sbw stb stp smm slq slk sqp", "int64"
-    )
-    sgr, sgh, sgd, sor, soh, sod, slr, slh = T.dynamic("sgr sgh sgd sor soh sod slr slh", "int64")
-    shr, shh, shd = T.dynamic("shr shh shd", "int64")
+    a = Signature(dtype, kv_dtype, split, unit_q=True)
+    R, HQ, P, PS, HKV, W, NB, BTB, MP, NM, NSLK, SPL = a.R, a.HQ, a.P, a.PS, a.HKV, a.W, a.NB, a.BTB, a.MP, a.NM, a.NSLK, a.SPL
     sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE
-    if split:
-        o_out = T.Tensor((SPL, RO, HO, DIM), "float32")
-        lse_out = T.Tensor((SPL, RL, HL), "float32")
-    else:
-        o_out = T.StridedTensor((RO, HO, DIM), (sor, soh, sod), dtype)
-        lse_out = T.StridedTensor((RL, HL), (slr, slh), "float32")
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((R, HQ, DIM), (sqr, sqh, 1), dtype),
-        K: T.StridedTensor((P, PS, HKV, DIM), (skp, sks, skh, 1), kv_dtype),
-        V: T.StridedTensor((P, PS, HKV, DIM), (svp, svs, svh, 1), kv_dtype),
-        TI: T.StridedTensor((R, W), (sir, siw), "int32"),
-        BI: T.StridedTensor((RB, NB), (sbr, sbw), "int32"),
-        BT: T.StridedTensor((BTB, MP), (stb, stp), "int32"),
-        ROWMAP: T.StridedTensor((NM,), (smm,), "int32"),
-        SLQ: T.StridedTensor((NSLQ,), (slq,), "int32"),
-        SLK: T.StridedTensor((NSLK,), (slk,), "int32"),
-        QP: T.StridedTensor((NQP,), (sqp,), "int32"),
-        G: T.StridedTensor((RG, HG, DG), (sgr, sgh, sgd), "float32"),
-        GH: T.StridedTensor((RGH, HGH, DGH), (shr, shh, shd), dtype),
-        O: o_out,
-        LSE: lse_out,
-        scale: T.float32,
-        row_mode: T.int32,
-        flags: T.int32,
-        n_req: T.int32,
-        q_len: T.int32,
-        chunk: T.int32,
-        KS: T.Tensor((1,), "float32"),
-        VS: T.Tensor((1,), "float32"),
-        v_mult: T.float32,
+        Q: a.Q, K: a.K, V: a.V, TI: a.TI, BI: a.BI, BT: a.BT, ROWMAP: a.ROWMAP, SLQ: a.SLQ, SLK: a.SLK, QP: a.QP, G: a.G, GH: a.GH,
+        O: a.O, LSE: a.LSE,
+        scale: T.float32, row_mode: T.int32, flags: T.int32, n_req: T.int32, q_len: T.int32, chunk: T.int32,
+        KS: T.Tensor((1,), "float32"), VS: T.Tensor((1,), "float32"), v_mult: T.float32,
     ):
         with T.Kernel(R, HKV, SPL if split else 1, threads=WARP) as (row, kvh, sp):
             T.import_source(sources)
@@ -223,25 +229,15 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             m_prev = T.alloc_fragment((HEADS,), "float32")
             alpha = T.alloc_fragment((HEADS,), "float32")
             l_sum = T.alloc_fragment((HEADS,), "float32")
-            b = T.alloc_var("int32")
-            local = T.alloc_var("int32")
-            nrows = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            b, local, nrows, lo, hi = alloc_vars(5)
             lane = T.get_thread_binding()
             # The wrapper passes Q and K/V with unit feature stride, 16-byte aligned bases and strides.
-            T.assume(sqr % 8 == 0)
-            T.assume(sqh % 8 == 0)
-            T.assume(skp % vec == 0)
-            T.assume(sks % vec == 0)
-            T.assume(skh % vec == 0)
-            T.assume(svp % vec == 0)
-            T.assume(svs % vec == 0)
-            T.assume(svh % vec == 0)
+            assume_aligned(*a.q_strides)
+            assume_aligned(*a.kv_strides, elems=vec)
             if split:
                 T.pdl_trigger()
                 _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, lane, WARP, W, MP, BTB, NM, NSLK)
-            strides = (skp, sks, skh, svp, svs, svh)
+            strides = a.kv_strides
             group = T.alloc_var("int32")
             h0 = T.alloc_var("int32")
             group = HQ // HKV
@@ -257,17 +253,9 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             _chunk_ids(TI, BI, tok, row, 0, lane, first, last, block_slots, blocks, NB)
             _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
             _chunk_ids(TI, BI, tok, row, 1, lane, first, last, block_slots, blocks, NB)
-            # heads past the group repeat its last head: their rows of S and O are finite and never stored
             qmul = T.alloc_var("float32")
             qmul = 1.0
-            if fp8:
-                Qf = T.alloc_fragment((HEADS, DIM), dtype)
-                for h, d in T.Parallel(HEADS, DIM):
-                    Qf[h, d] = Q[row, h0 + T.min(h, group - 1), d]
-                scale_into_fp16(Qf, Qs, T.alloc_fragment((HEADS,), dtype), T.alloc_shared((HEADS,), dtype), qmul)
-            else:
-                for h, d in T.Parallel(HEADS, DIM):
-                    Qs[h, d] = Q[row, h0 + T.min(h, group - 1), d]
+            _load_q(Q, Qs, row, h0, group, qmul, fp8, dtype)
             T.fill(acc, 0)
             T.fill(rowsum, 0)
             T.fill(m_cur, M_FLOOR)
@@ -306,28 +294,6 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
                             i - num_stages + 1, scale_log2, block_n)
                     fence()
                     T.sync_threads()  # the stage is free for the gather num_stages - 1 tiles on
-            T.reduce_sum(rowsum, l_sum, dim=1)
-            for h in T.Parallel(HEADS):
-                alpha[h] = T.if_then_else(l_sum[h] > 0, norm / l_sum[h], 0)  # one division a head
-            if split:
-                for h, d in T.Parallel(HEADS, DIM):
-                    if h < group:
-                        O[sp, row, h0 + h, d] = acc[h, d] * alpha[h]
-                for h in T.Parallel(HEADS):
-                    if h < group:
-                        LSE[sp, row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
-            else:
-                # one loop per gate kind, the flag tests outside it (prefill, one split, with the tests inside:
-                # 4358 us gated, 2762 ungated)
-                if (flags & HAS_GATE) == 0:
-                    _store(O, acc, alpha, row, h0, group, None)
-                elif (flags & GATE_NATIVE) != 0:
-                    _store(O, acc, alpha, row, h0, group, GH)
-                else:
-                    _store(O, acc, alpha, row, h0, group, G)
-                if (flags & WRITE_LSE) != 0:
-                    for h in T.Parallel(HEADS):
-                        if h < group:
-                            LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
+            _finish(O, LSE, G, GH, acc, rowsum, l_sum, alpha, m_cur, row, sp, h0, group, qk_scale, norm, flags, split)
 
     return main
