@@ -216,6 +216,26 @@ def _store_out(O, LSE, Sinks, acc_o, m_off, l_run, m_fin, l_fin, r, row_q, row_h
             LSE[row_q[i], row_h[i]] = T.if_then_else(l_fin[i] > 0, (m_fin[i] + T.log2(l_fin[i])) * LN2, NEG_INF)
 
 
+@T.macro
+def _load_q(Q, Q_s, KS, VS, row_q, row_h, flags, v_mult, qk: T.Ref, norm: T.Ref, fp8, dtype, mma, block_m, dim):
+    """The packed rows' queries into Q_s (0 past the sequence's rows), and the factors of an FP8 cache: qk the scores'
+    (k_scale over the query's FP16 multiplier), norm the output's (v_scale); 1 for a 16-bit cache."""
+    qk = 1.0
+    norm = 1.0
+    if fp8 and dtype != mma:
+        Qf = T.alloc_fragment((block_m, dim), dtype)
+        for i, d in T.Parallel(block_m, dim):
+            Qf[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
+        scale_into_fp16(Qf, Q_s, T.alloc_fragment((block_m,), dtype), T.alloc_shared((block_m,), dtype), qk)
+        qk = 1.0 / qk
+    else:
+        for i, d in T.Parallel(block_m, dim):
+            Q_s[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
+    if fp8:
+        qk = qk * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1))
+        norm = T.if_then_else((flags & V_SCALE_DEV) != 0, VS[0], v_mult)
+
+
 def _alloc(block_m, block_n, dim, num_stages, mma, kv_dtype):
     """Q, the K/V ring, its page ids and slots (num_stages + 1 tiles: one more than the ring, filled a tile
     ahead) and the per-row metadata in shared memory; the next tile's block_table entries, S, P and O and the
@@ -319,21 +339,7 @@ def gqa_decode(dtype, dim, window, block_m, block_n, threads, num_stages, kv_dty
 
             _rows(row_q, row_h, row_pos, q0, sq, sk - sq, bx * block_m, group, kvh, block_m)
             T.sync_threads()
-            # The scores' factor (k_scale over the query's FP16 multiplier) and the output's (v_scale): FP8 only.
-            qk = 1.0
-            norm = 1.0
-            if fp8 and dtype != mma:
-                Qf = T.alloc_fragment((block_m, dim), dtype)
-                for i, d in T.Parallel(block_m, dim):
-                    Qf[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
-                scale_into_fp16(Qf, Q_s, T.alloc_fragment((block_m,), dtype), T.alloc_shared((block_m,), dtype), qk)
-                qk = 1.0 / qk
-            else:
-                for i, d in T.Parallel(block_m, dim):
-                    Q_s[i, d] = T.if_then_else(row_q[i] >= 0, Q[T.max(row_q[i], 0), row_h[i], d], T.cast(0, dtype))
-            if fp8:
-                qk = qk * T.if_then_else((flags & K_SCALE_DEV) != 0, KS[0], T.float32(1))
-                norm = T.if_then_else((flags & V_SCALE_DEV) != 0, VS[0], v_mult)
+            _load_q(Q, Q_s, KS, VS, row_q, row_h, flags, v_mult, qk, norm, fp8, dtype, mma, block_m, dim)
             # k_scale enters the tanh's argument with softcap (scores in natural units), else the softmax's factor
             sl2 = T.if_then_else(softcap_value > 0, scale_log2, scale_log2 * qk)
             cap_mul = softcap_mul * qk
