@@ -9,8 +9,8 @@ round histograms the keys inside the range on an 11-bit digit of their offset fr
 the range's top bit, so a row whose scores share their exponent still spreads over the bins) and narrows the
 range to the bin where the count from the top reaches k. At most three rounds reach one key value, of which
 the first in id order are taken (ties to the lower ids). Where the kept keys are every key from the range's
-bottom up, each warp takes its slots from one shared counter (any order: the pairs are distinct, the sort
-orders them); where only some keys of one value are kept, a ballot-and-scan in id order gives the slots. A
+bottom up, each thread counts its own and each warp takes its slots from one shared counter (any order: the
+pairs are distinct, the sort orders them); where only some keys of one value are kept, a ballot-and-scan in id order gives the slots. A
 bitonic sort of the (key, id) pairs (score descending, id ascending) holds E pairs a thread in registers:
 strides below E inside the thread, below a warp's 32 E by shuffles, wider ones through shared memory (two
 buffers taken in turn: one barrier a stage). The first k pairs give the ids, -1 past the row's valid keys. With `expand`, the same CTA writes each block's `block_size` tokens and
@@ -48,25 +48,32 @@ def _u64(v):
     return tir.const(v, "uint64")
 
 
+def _sel(c, a, b):
+    """c ? a : b as an expression (a select): T.if_then_else prints an if-else, which ptxas kept as a branch
+    in the unrolled per-key loops (two branches a key)."""
+    return tir.Select(c, a, b)
+
+
 def score_key(v):
     """The order-preserving uint32 key of an FP32 score, 0 for NaN and -inf. Decided on the bits, so no
     floating-point assumption of the compiler can drop the NaN test."""
     bits = T.reinterpret("uint32", v)
-    bits = T.if_then_else(bits == _u32(0x80000000), _u32(0), bits)
-    key = T.if_then_else((bits & _u32(0x80000000)) != _u32(0), ~bits, bits | _u32(0x80000000))
+    bits = _sel(bits == _u32(0x80000000), _u32(0), bits)
+    # negative: every bit flipped; positive: the sign bit set (the sign smeared over the word by a shift)
+    key = bits ^ (T.Cast("uint32", T.shift_right(T.Cast("int32", bits), 31)) | _u32(0x80000000))
     bad = ((bits & _u32(0x7FFFFFFF)) > _u32(0x7F800000)) | (bits == _u32(0xFF800000))
-    return T.if_then_else(bad, _u32(0), key)
+    return _sel(bad, _u32(0), key)
 
 
 def _tail_token(pos, t, block_size):
     """Token t of a row's incomplete block: past its last complete block, up to its position; -1 where absent."""
     tok = T.truncdiv(T.max(pos + 1, 0), block_size) * block_size + t
-    return T.if_then_else(tok <= pos, tok, -1)
+    return _sel(tok <= pos, tok, -1)
 
 
 def _pair_id(v):
     """The block id of a sorted (key, complemented id) pair, -1 for a pad (key 0)."""
-    return T.if_then_else((v >> _u64(32)) == _u64(0), -1, T.Cast("int32", _u32(0xFFFFFFFF) - T.Cast("uint32", v & _u64(0xFFFFFFFF))))
+    return _sel((v >> _u64(32)) == _u64(0), -1, T.Cast("int32", _u32(0xFFFFFFFF) - T.Cast("uint32", v & _u64(0xFFFFFFFF))))
 
 
 def _pair(u, e):
@@ -75,7 +82,7 @@ def _pair(u, e):
 
 
 def _block_token(b, t, block_size):
-    return T.if_then_else(b >= 0, b * block_size + t, -1)
+    return _sel(b >= 0, b * block_size + t, -1)
 
 
 @T.macro
@@ -149,7 +156,7 @@ def _plan(max_keys, threads, min_blocks, sort_mult, kpow):
 
 def _alloc(plan):
     """The CTA's buffers, then its scalars: the row's count of valid keys and their range, the radix rounds'
-    range [lo, hi] and state, and three scratch integers."""
+    range [lo, hi] and state, and five scratch integers."""
     # One arena for the radix histogram and the sort's exchange buffers, which are never live together (a barrier
     # apart): left to TileLang's allocator, the two took separate space at sorts of 1024 pairs and up (its merge
     # reuses a freed block of about the new one's size), 16 KB more a CTA.
@@ -161,7 +168,7 @@ def _alloc(plan):
         T.alloc_local((plan.per,), "uint32") if plan.in_regs else T.alloc_shared((plan.max_keys,), "uint32"),
         T.alloc_local((plan.E,), "uint64"),
     )
-    return buffers + alloc_vars(1) + alloc_vars(4, "uint32") + alloc_vars(7)
+    return buffers + alloc_vars(1) + alloc_vars(4, "uint32") + alloc_vars(9)
 
 
 @T.macro
@@ -175,11 +182,11 @@ def _row_keys(plan, S, r, tx, lane, wid, vals, keys, part, n_valid: T.Ref, kmin:
     for i in T.unroll(plan.per):
         vals[i] = S[r, T.min(i * plan.threads + tx, S.shape[1] - 1)]
     for i in T.unroll(plan.per):
-        u = T.if_then_else(i * plan.threads + tx < S.shape[1], score_key(vals[i]), _u32(0))
+        u = _sel(i * plan.threads + tx < S.shape[1], score_key(vals[i]), _u32(0))
         keys[plan.at(i, tx)] = u
-        n_valid += T.if_then_else(u != _u32(0), 1, 0)
+        n_valid += T.Cast("int32", u != _u32(0))
         kmax = T.max(kmax, u)
-        kmin = T.min(kmin, T.if_then_else(u != _u32(0), u, _u32(0xFFFFFFFF)))
+        kmin = T.min(kmin, _sel(u != _u32(0), u, _u32(0xFFFFFFFF)))
     _warp_totals(n_valid, kmin, kmax)
     if lane == 0:
         part[0, wid] = T.Cast("uint32", n_valid)
@@ -243,20 +250,24 @@ def _radix_round(plan, K, keys, hist, part, found, tx, lane, wid, lo: T.Ref, hi:
 
 
 @T.macro
-def _gather(plan, keys, xb, found, tx, lane, lo, gbase: T.Ref):
+def _gather(plan, keys, xb, found, tx, lane, lo, x: T.Ref, y: T.Ref, slot: T.Ref):
     """Every key from lo up as a (key, complemented id) pair into xb[0], in any order (the sort orders the
-    pairs, all distinct, so the bits do not depend on it): a warp's keys take consecutive slots from one
-    shared atomic of lane 0 (found[3], zeroed before the rounds' last barrier)."""
-    lanes_below = (_u64(1) << T.Cast("uint64", lane)) - _u64(1)
+    pairs, all distinct, so the bits do not depend on it). Each thread counts its own keys first, and a warp
+    takes its slots from one shared atomic (found[3], zeroed before the rounds' last barrier): a ballot and an
+    atomic for every key group cost 41 instructions a key, under divergent branches."""
+    x = 0
+    for i in T.unroll(plan.per):
+        x += T.Cast("int32", keys[plan.at(i, tx)] >= lo)
+    slot = x
+    _warp_scan(x, y, lane, False)
+    if lane == WARP - 1:
+        y = T.atomic_add(found[3], x, return_prev=True)
+    slot = T.shfl_sync(y, WARP - 1) + x - slot
     for i in T.unroll(plan.per):
         u = keys[plan.at(i, tx)]
-        sel = T.ballot(u >= lo)
-        if sel != _u64(0):
-            if lane == 0:
-                gbase = T.atomic_add(found[3], T.Cast("int32", T.popcount(sel)), return_prev=True)
-            gbase = T.shfl_sync(gbase, 0)
-            if u >= lo:
-                xb[0, gbase + T.Cast("int32", T.popcount(sel & lanes_below))] = _pair(u, i * plan.threads + tx)
+        if u >= lo:
+            xb[0, slot] = _pair(u, i * plan.threads + tx)
+            slot += 1
     T.sync_threads()
 
 
@@ -311,16 +322,17 @@ def _sort_stage(plan, sv, xb, tx, s, j, buf):
             for e in [e for e in range(plan.E) if not e & (1 << j)]:
                 a = sv[e]
                 b = sv[e + (1 << j)]
-                down = (((tx * plan.E + e) >> (s + 1)) & 1) == 0
-                sv[e] = T.if_then_else(down, T.max(a, b), T.min(a, b))
-                sv[e + (1 << j)] = T.if_then_else(down, T.min(a, b), T.max(a, b))
+                # the larger first in a descending block: one compare, one select of each (64-bit) pair
+                keep = (a > b) == ((((tx * plan.E + e) >> (s + 1)) & 1) == 0)
+                sv[e] = _sel(keep, a, b)
+                sv[e + (1 << j)] = _sel(keep, b, a)
     elif (1 << j) < WARP * plan.E:
         if tx < plan.ST:
             for e in list(range(plan.E)):
                 a = sv[e]
                 b = T.shfl_xor(a, (1 << j) // plan.E)
                 i = tx * plan.E + e
-                sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
+                sv[e] = _sel((a > b) == (((i >> j) & 1) == ((i >> (s + 1)) & 1)), a, b)
     else:
         if tx < plan.ST:
             for e in list(range(plan.E)):
@@ -331,13 +343,13 @@ def _sort_stage(plan, sv, xb, tx, s, j, buf):
                 a = sv[e]
                 i = tx * plan.E + e
                 b = xb[buf, i ^ (1 << j)]
-                sv[e] = T.if_then_else(((i >> j) & 1) == ((i >> (s + 1)) & 1), T.max(a, b), T.min(a, b))
+                sv[e] = _sel((a > b) == (((i >> j) & 1) == ((i >> (s + 1)) & 1)), a, b)
         if plan.ring == 1:
             T.sync_threads()  # one buffer: the next stage's writes wait for these reads
 
 
 @T.macro
-def _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand):
+def _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand, blk: T.Ref, t: T.Ref, dblk: T.Ref, dt: T.Ref):
     """Ids, -1 past the valid keys; with `expand`, each block's tokens and the row's tail tokens. The sorted
     pairs go through shared memory first, so that consecutive threads write consecutive ids and tokens: from
     the registers a thread would write its E ids and their E * block_size tokens, and a warp's stores would
@@ -352,13 +364,23 @@ def _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand):
             O[r, q] = _pair_id(xb[plan.out_buf, q])
     if expand != 0:
         pos = P[r]
+        # slot q = c * threads + tx is token t of block blk: both stepped along (an int32 division of q in every
+        # iteration, promoted to 64 bits by the buffer index, was a fifth of the kernel's instructions)
+        blk = T.truncdiv(tx, block_size)
+        t = T.truncmod(tx, block_size)
+        dblk = T.truncdiv(plan.threads, block_size)
+        dt = T.truncmod(plan.threads, block_size)
         for c in T.serial(T.ceildiv(K * block_size + block_size - 1, plan.threads)):
             q = c * plan.threads + tx
             if q < K * block_size:
-                TOK[r, q] = _block_token(_pair_id(xb[plan.out_buf, T.truncdiv(q, block_size)]), T.truncmod(q, block_size),
-                                         block_size)
+                TOK[r, q] = _block_token(_pair_id(xb[plan.out_buf, blk]), t, block_size)
             elif q < K * block_size + block_size - 1:
                 TOK[r, q] = _tail_token(pos, q - K * block_size, block_size)
+            blk += dblk
+            t += dt
+            if t >= block_size:
+                t -= block_size
+                blk += 1
 
 
 def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
@@ -383,7 +405,7 @@ def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
             lane = tx % WARP
             wid = tx // WARP
             (arena, hist, xb, counts, part, found, vals, keys, sv,
-             n_valid, kmin, kmax, lo, hi, remaining, n_inside, take, done, acc, x, y) = _alloc(plan)
+             n_valid, kmin, kmax, lo, hi, remaining, n_inside, take, done, acc, x, y, z, w) = _alloc(plan)
 
             _row_keys(plan, S, r, tx, lane, wid, vals, keys, part, n_valid, kmin, kmax)
             # `take`: how many keys inside [lo, hi] join the sort (by id order) beside every key above hi
@@ -405,7 +427,7 @@ def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
                 found[3] = 0
             T.sync_threads()  # the round's buffers are dead: the sort's may overlay them
             if take == n_inside:
-                _gather(plan, keys, xb, found, tx, lane, lo, x)
+                _gather(plan, keys, xb, found, tx, lane, lo, x, y, acc)
             else:
                 _gather_in_order(plan, keys, counts, xb, tx, lane, wid, lo, hi, take, x, y, acc)
             # pairs past the selected ones (the keys above the range and `take` inside it) sort last
@@ -417,7 +439,7 @@ def topk(max_keys, wide, threads, min_blocks, sort_mult, kpow=512):
                 T.sync_threads()
             for s, j, buf in plan.stages:
                 _sort_stage(plan, sv, xb, tx, s, j, buf)
-            _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand)
+            _write_out(plan, K, O, P, TOK, r, sv, xb, tx, block_size, expand, x, y, z, w)
 
     return main
 
