@@ -13,6 +13,9 @@ MAX_K = 2048  # the largest k, and the largest sort (pairs)
 RADIX_BITS = 11  # digit of one radix round: three rounds cover any 32-bit key range
 BINS = 1 << RADIX_BITS
 ROUNDS = 3
+# The sorted order by one more 11-bit digit where no bin of it holds more than this many selected keys (else a
+# bitonic sort): a pair's rank in its bin takes a comparison with each of the bin's pairs
+ORDER_BIN_MAX = 32
 WARP = 32
 # Key buckets: a row of up to `max_keys` scores is one CTA's; its keys stay in registers while a thread holds
 # at most REG_KEYS of them, else in shared memory (49152 x 4 B = 192 KB, beside the 25 KB of the rest).
@@ -43,7 +46,9 @@ def _smem(max_keys: int, threads: int, n_sort: int, ring: int) -> int:
     registers (an upper bound: TileLang may overlay the partials with the counts)."""
     arena = max(8 * ring * n_sort, 4 * BINS)
     smem = arena + 4 * 4 * (threads // WARP) + 4 * 4 + 4 * (max_keys // WARP)
-    return smem + (0 if keys_in_registers(max_keys, threads) else 4 * max_keys)
+    # the keys in shared memory, or, where they are in registers, the ordering's own pairs and bins (in shared
+    # memory the dead keys hold those)
+    return smem + (8 * n_sort + 4 * BINS if keys_in_registers(max_keys, threads) else 4 * max_keys)
 
 
 def exchange_buffers(max_keys: int, threads: int, min_blocks: int, n_sort: int) -> int:
