@@ -1,7 +1,7 @@
 """QSA selection (issue 43): top-k of each row's FP32 block scores and the 4-token expansion, against torch.topk and
 a torch expansion on the same inputs.
 
-  python benchmarks/bench_topk.py [--rows 1 64 256 4096] [--keys 8192] [--k 512] [--sweep] [--out FILE]
+  python benchmarks/bench_topk.py [--rows 1 64 256 4096] [--keys 8192] [--k 512] [--sweep] [--step [BATCH ...]] [--out FILE]
 
 Inputs: indexer-like scores (scale x a sum of 4 ReLUs, so exact zeros tie), every key visible and finite (torch.topk
 would take NaN as the largest), the row's position past the last key. Each mate result is checked bit for bit against the reference first. Times are
@@ -13,6 +13,13 @@ the issue's measurement: one call per CUDA-graph replay with L2 flushed before e
 - mate fused: qsa_topk_tokens (one kernel).
 
 --sweep times other qsa_topk tiles (threads, min_blocks, sort_mult) for the rows' key, fused call, through a patched config.
+--step times the whole decode step (issue 43): qsa_mqa_decode -> selection -> qsa_sparse_attention, one CUDA graph,
+L2 flushed before each replay, with mate's fused selection (qsa_topk_tokens) and with the torch selection; each
+stage alone beside it. Inputs: --batch requests of 32768 tokens (8192 complete 4-token blocks, the query row at the
+last position), 64-token pages in random pool order shared by the K/V cache (24 / 2 heads, D 256, BF16: 4.3 GB at
+64 requests) and the indexer's cache (16 compressed keys a page, 4 heads of D 128), a per-element gate; top-k blocks
+of the indexer's scores (2051 token slots at k 512). mate's selection is checked bit for bit against the
+reference on the step's own scores, and its attention output against the one on the torch selection.
 --variants NAME=FILE ... times other versions of mate/qsa/kernels/topk.py (`-`: the shipped one; same program
 signatures; overrides.program_variants) in turn on the fused call, each checked (a probe that leaves out a
 phase is timed though wrong).
@@ -103,6 +110,72 @@ def compare(rows_list, keys, k, variants):
     return out
 
 
+STEP_TOKENS, STEP_PAGE, HQ, HKV, DIM, H_IDX, D_IDX = 32768, 64, 24, 2, 256, 4, 128
+
+
+def step_case(batch, k, seed=0):
+    """The decode step's inputs (see --step) and its three stages as functions of the selection."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = STEP_TOKENS // STEP_PAGE
+    table = torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32).view(batch, pages)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    key, value = rand(batch * pages, STEP_PAGE, HKV, DIM), rand(batch * pages, STEP_PAGE, HKV, DIM)
+    index_cache = rand(batch * pages, STEP_PAGE // 4, 1, D_IDX)
+    q_idx, q, gate = rand(batch, H_IDX, D_IDX), rand(batch, 1, HQ, DIM), rand(batch, 1, HQ, DIM)
+    seq_lens = torch.full((batch,), STEP_TOKENS, dtype=torch.int32, device="cuda")
+    context = seq_lens // 4
+    n_keys = pages * (STEP_PAGE // 4)
+
+    def indexer():
+        return mate.qsa_mqa_decode(q_idx, index_cache, table, context, n_keys)
+
+    def attention(blocks, tokens):
+        return mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_indices=blocks[:, None], block_table=table,
+                                         seq_lens_k=seq_lens, gate=gate)
+
+    def mate_select(logits):
+        return mate.qsa_topk_tokens(logits, k, seq_lens - 1)
+
+    def torch_sel(logits):
+        return torch_select(logits, k, seq_lens - 1)
+
+    return indexer, mate_select, torch_sel, attention
+
+
+def step(batch, k):
+    indexer, mate_select, torch_sel, attention = step_case(batch, k)
+    logits = indexer()
+    blocks, tokens = mate_select(logits)
+    ref_blocks, ref_tokens = mate.qsa_topk_tokens(logits, k, torch.full_like(logits[:, 0], STEP_TOKENS - 1, dtype=torch.int32),
+                                                  backend="reference")
+    exact = bool(torch.equal(blocks, ref_blocks) and torch.equal(tokens, ref_tokens))
+    tb, tt = torch_sel(logits)
+    # torch's order among equal scores is its own; the attention over the same token set agrees to rounding
+    out, out_torch = attention(blocks, tokens), attention(tb, tt)
+    err = float((out.float() - out_torch.float()).norm() / out_torch.float().norm())
+    us = {
+        "indexer": cold_graph_us(indexer),
+        "mate selection": cold_graph_us(lambda: mate_select(logits)),
+        "torch selection": cold_graph_us(lambda: torch_sel(logits)),
+        "attention": cold_graph_us(lambda: attention(blocks, tokens)),
+        "step, mate selection": cold_graph_us(lambda: attention(*mate_select(indexer()))),
+        "step, torch selection": cold_graph_us(lambda: attention(*torch_sel(indexer()))),
+    }
+    if not exact:
+        print(f"batch {batch}: WRONG, the selection differs from the reference (timed anyway)", flush=True)
+    return dict(batch=batch, k=k, exact=exact, attention_rel_err_vs_torch_selection=err, us=us)
+
+
+def step_markdown(result) -> str:
+    k = result["steps"][0]["k"]
+    note = (f"requests of {STEP_TOKENS} tokens, top-{k} of {STEP_TOKENS // 4} blocks; exact: mate's selection bitwise equal to "
+            "the reference on the step's scores; err: attention output on mate's selection against on torch's (relative L2)")
+    return "\n".join(_table(result, "QSA decode step", note, result["steps"], "batch", ["exact", "err"],
+                            lambda r: ["yes" if r["exact"] else "NO", f"{r['attention_rel_err_vs_torch_selection']:.1e}"])) + "\n"
+
 def figures(result):
     rows = result["rows"]
     impls = list(rows[0]["us"]) if rows else []
@@ -110,16 +183,23 @@ def figures(result):
                    {n: [(r["rows"], r["us"][n]) for r in rows] for n in impls}, logy=True)]
 
 
+def _table(result, title, note, records, axis, extra_names, extra) -> list:
+    """The markdown lines of one run's table: a row per record (its `axis` value, its times, then `extra(record)`)."""
+    names = list(records[0]["us"])
+    lines = [f"{title} on {result['gpu']}, commit {result['commit']}, {result['date']}", "",
+             f"`{result['command']}`; cold CUDA graph (L2 flushed), do_bench median, us; {note}", "",
+             f"| {axis} | " + " | ".join(names + extra_names) + " |", "|---" * (len(names) + len(extra_names) + 1) + "|"]
+    for r in records:
+        lines.append(f"| {r[axis]} | " + " | ".join([f"{r['us'][n]:.2f}" for n in names] + extra(r)) + " |")
+    return lines
+
+
 def markdown(result) -> str:
-    names = list(result["rows"][0]["us"])
-    lines = [f"QSA selection on {result['gpu']}, commit {result['commit']}, {result['date']}", "",
-             f"`{result['command']}`; cold CUDA graph (L2 flushed), do_bench median, us; top-{result['rows'][0]['k']} of "
-             f"{result['rows'][0]['keys']} indexer-like FP32 scores; mate exact: bitwise equal to the reference "
-             "(the fused call, and qsa_topk_blocks then qsa_expand_blocks)", "",
-             "| rows | " + " | ".join(names) + " | mate exact | same set as torch |", "|---" * (len(names) + 3) + "|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['rows']} | " + " | ".join(f"{r['us'][n]:.2f}" for n in names)
-                     + f" | {'yes' if r['exact'] else 'NO'} | {r['same_set_as_torch']:.2f} |")
+    rows = result["rows"]
+    note = (f"top-{rows[0]['k']} of {rows[0]['keys']} indexer-like FP32 scores; mate exact: bitwise equal to the reference "
+            "(the fused call, and qsa_topk_blocks then qsa_expand_blocks)")
+    lines = _table(result, "QSA selection", note, rows, "rows", ["mate exact", "same set as torch"],
+                   lambda r: ["yes" if r["exact"] else "NO", f"{r['same_set_as_torch']:.2f}"])
     for s in result.get("sweep", []):
         lines.append(f"\nsweep rows {s['rows']}: " + "; ".join(
             f"{t['tiles']} {'wrong' if not t['ok'] else format(t['us'], '.2f')}" for t in s["results"]))
@@ -133,6 +213,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
+    ap.add_argument("--step", type=int, nargs="*", default=None, metavar="BATCH", help="time the whole decode step at these batches")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>-topk.json; .md beside it)")
     args = ap.parse_args(argv)
     env = environment()
@@ -140,6 +221,15 @@ def main(argv=None):
     if args.variants:
         result["variants"] = compare(args.rows, args.keys, args.k, args.variants)
         write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-topk-variants.json", result)
+        return result
+    if args.step is not None:
+        result["steps"] = []
+        for batch in args.step or [1, 64]:
+            result["steps"].append(step(batch, args.k))
+            print(f"batch {batch}: " + ", ".join(f"{n} {us:.2f}" for n, us in result["steps"][-1]["us"].items()) + " us", flush=True)
+        out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-qsa-step.json", result)
+        out.with_suffix(".md").write_text(step_markdown(result))
+        print(step_markdown(result))
         return result
     for rows in args.rows:
         r, scores, pos = case(rows, args.keys, args.k)
