@@ -247,32 +247,42 @@ def _store(O, LSE, Ks, acc, m_cur, l_sum, bb, bm, h0, group_heads, scale, dim, h
             LSE[bb, h0 + h, bm] = lse_keys_as_m(m_cur, l_sum, h, scale)
 
 
+class Signature:
+    """The tensor types of the forward programs' arguments, which this one-query program and the shared one
+    (selection_shared.py) take in this order, with the dynamic sizes and strides they bind. `aligned`: Q's and
+    O's strides, which the layout rule makes multiples of 16 bytes."""
+
+    def __init__(self, dtype, dim):
+        B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
+        (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
+            "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
+        )
+        self.B, self.M, self.N, self.G, self.TT = B, M, N, G, TT
+        self.aligned = (sqb, sqm, sqh, sob, som, soh)
+        self.Q = T.StridedTensor((B, M, H, dim), (sqb, sqm, sqh, 1), dtype)
+        self.K = T.StridedTensor((B, N, G, dim), (skb, skn, skg, 1), dtype)
+        self.V = T.StridedTensor((B, N, G, dim), (svb, svn, svg, 1), dtype)
+        self.BI = T.StridedTensor((B, M, G, TT), (sib, sim, sig, sit), "int32")
+        self.BC = T.StridedTensor((B, M, G), (scb, scm, scg), "int32")
+        self.O = T.StridedTensor((B, M, H, dim), (sob, som, soh, 1), dtype)
+        self.LSE = T.StridedTensor((B, H, M), (slb, slh, slm), "float32")
+        self.ST = T.Tensor((NS,), "int32")
+
+
 def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks, queries):
     """The forward program; queries (W) > 1: selection_shared's, whose CTA shares its gathers among W queries."""
     if queries > 1:
         from mate.nsa.kernels.selection_shared import nsa_selection_shared_fwd
 
         return nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks, queries)
+    a = Signature(dtype, dim)
+    B, M, N, G, TT = a.B, a.M, a.N, a.G, a.TT
     per_tile = _tiles_per_block(block_size, threads)
-    B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
-    (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
-        "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
-    )
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((B, M, H, dim), (sqb, sqm, sqh, 1), dtype),
-        K: T.StridedTensor((B, N, G, dim), (skb, skn, skg, 1), dtype),
-        V: T.StridedTensor((B, N, G, dim), (svb, svn, svg, 1), dtype),
-        BI: T.StridedTensor((B, M, G, TT), (sib, sim, sig, sit), "int32"),
-        BC: T.StridedTensor((B, M, G), (scb, scm, scg), "int32"),
-        O: T.StridedTensor((B, M, H, dim), (sob, som, soh, 1), dtype),
-        LSE: T.StridedTensor((B, H, M), (slb, slh, slm), "float32"),
-        ST: T.Tensor((NS,), "int32"),
-        scale: T.float32,
-        group_heads: T.int32,
-        use_counts: T.int32,
-        varlen: T.int32,
+        Q: a.Q, K: a.K, V: a.V, BI: a.BI, BC: a.BC, O: a.O, LSE: a.LSE, ST: a.ST,
+        scale: T.float32, group_heads: T.int32, use_counts: T.int32, varlen: T.int32,
     ):
         # A producer warpgroup (of which warp 0 works) and the consumer warpgroup.
         with T.Kernel(M, G, B, threads=2 * threads) as (bm, bg, bb):
@@ -283,7 +293,7 @@ def nsa_selection_fwd(dtype, dim, block_size, head_tile, threads, num_stages, mi
             Ps = T.alloc_shared((TILE_KEYS, head_tile), dtype)
             blocks, used, k_full, v_full, k_empty, v_empty = _alloc_ring_state(num_stages, threads)
             S, rowsum, P, acc, m_cur, m_prev, alpha, l_sum = alloc_softmax_keys_as_m(TILE_KEYS, head_tile, dim, dtype)
-            assume_aligned(sqb, sqm, sqh, sob, som, soh)  # the layout rule on Q and O
+            assume_aligned(*a.aligned)  # the layout rule on Q and O
 
             # Bottom-right aligned causal position of this query; packed sequences (varlen, B = 1): its index
             # in its sequence, whose keys start at row ST[bm].

@@ -52,7 +52,7 @@ import tilelang.language as T
 
 from mate._tl import assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m
 from mate.nsa.kernels.selection import (
-    CONSUMER_BARRIER, LOG2E, NEG_INF, PASS_CONFIGS, _alloc_ring_state, _kernel_prologue, _tile_load,  # noqa: F401
+    CONSUMER_BARRIER, LOG2E, NEG_INF, PASS_CONFIGS, Signature, _alloc_ring_state, _kernel_prologue, _tile_load,  # noqa: F401
 )
 from mate.nsa.kernels.selection_card import SHARED_QUERIES, SHARED_SLOTS, TILE_KEYS, shared_registers, shared_tile_sums
 
@@ -191,7 +191,8 @@ def _query_store(O, LSE, Os, l_sum, state, bb, qm, M, h0, group_heads, scale, di
 
 
 def nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_stages, min_blocks, queries):
-    """The program: the arguments of selection.nsa_selection_fwd's, the same kernel signature; `queries` = W."""
+    """The program: the arguments of selection.nsa_selection_fwd's, the same kernel signature (selection.Signature);
+    `queries` = W."""
     W = queries
     assert W in SHARED_QUERIES, f"queries (W) must be one of {SHARED_QUERIES}"
     assert block_size == TILE_KEYS, "the shared program gathers one 64-key block a tile (block_size 64)"
@@ -199,25 +200,13 @@ def nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_sta
     sums = tile_sums(W)
     nreg = consumer_registers(min_blocks)
     CAP = W * SHARED_SLOTS  # entries a CTA holds (the API sends T > SHARED_SLOTS to the one-query program)
-    B, M, N, H, G, TT, NS = T.dynamic("B M N H G TT NS")
-    (sqb, sqm, sqh, skb, skn, skg, svb, svn, svg, sib, sim, sig, sit, scb, scm, scg, sob, som, soh, slb, slh, slm) = T.dynamic(
-        "sqb sqm sqh skb skn skg svb svn svg sib sim sig sit scb scm scg sob som soh slb slh slm", "int64"
-    )
+    a = Signature(dtype, dim)
+    B, M, N, G, TT = a.B, a.M, a.N, a.G, a.TT
 
     @T.prim_func
     def main(
-        Q: T.StridedTensor((B, M, H, dim), (sqb, sqm, sqh, 1), dtype),
-        K: T.StridedTensor((B, N, G, dim), (skb, skn, skg, 1), dtype),
-        V: T.StridedTensor((B, N, G, dim), (svb, svn, svg, 1), dtype),
-        BI: T.StridedTensor((B, M, G, TT), (sib, sim, sig, sit), "int32"),
-        BC: T.StridedTensor((B, M, G), (scb, scm, scg), "int32"),
-        O: T.StridedTensor((B, M, H, dim), (sob, som, soh, 1), dtype),
-        LSE: T.StridedTensor((B, H, M), (slb, slh, slm), "float32"),
-        ST: T.Tensor((NS,), "int32"),
-        scale: T.float32,
-        group_heads: T.int32,
-        use_counts: T.int32,
-        varlen: T.int32,
+        Q: a.Q, K: a.K, V: a.V, BI: a.BI, BC: a.BC, O: a.O, LSE: a.LSE, ST: a.ST,
+        scale: T.float32, group_heads: T.int32, use_counts: T.int32, varlen: T.int32,
     ):
         with T.Kernel(T.ceildiv(M, W), G, B, threads=2 * threads) as (bq, bg, bb):
             tx = _kernel_prologue(min_blocks)
@@ -241,7 +230,7 @@ def nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_sta
             l_sum = T.alloc_fragment((head_tile,), "float32")
             lt = T.alloc_fragment((head_tile,), "float32")
             qs = _alloc_query_states(W, dim, head_tile)
-            assume_aligned(sqb, sqm, sqh, sob, som, soh)
+            assume_aligned(*a.aligned)
 
             m0 = bq * W
             off = T.if_then_else(varlen != 0, 0, N - M)  # a query row's position + its sequence's first key row
@@ -267,32 +256,12 @@ def nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_sta
                 # ---------------- consumer: every query of the CTA, on the tiles it selected
                 if nreg is not None:
                     T.set_max_nreg(nreg[1], 1)
-                T.fill(qs[0][0], 0)
-                T.fill(qs[0][1], 0)
-                T.fill(qs[0][2], NEG_INF)
-                T.fill(qs[1][0], 0)
-                T.fill(qs[1][1], 0)
-                T.fill(qs[1][2], NEG_INF)
-                if W > 2:
-                    T.fill(qs[2][0], 0)
-                    T.fill(qs[2][1], 0)
-                    T.fill(qs[2][2], NEG_INF)
-                    T.fill(qs[3][0], 0)
-                    T.fill(qs[3][1], 0)
-                    T.fill(qs[3][2], NEG_INF)
-                if W > 4:
-                    T.fill(qs[4][0], 0)
-                    T.fill(qs[4][1], 0)
-                    T.fill(qs[4][2], NEG_INF)
-                    T.fill(qs[5][0], 0)
-                    T.fill(qs[5][1], 0)
-                    T.fill(qs[5][2], NEG_INF)
-                    T.fill(qs[6][0], 0)
-                    T.fill(qs[6][1], 0)
-                    T.fill(qs[6][2], NEG_INF)
-                    T.fill(qs[7][0], 0)
-                    T.fill(qs[7][1], 0)
-                    T.fill(qs[7][2], NEG_INF)
+                # Python loops over the queries: each query's state is fragments of its own (registers), which no
+                # device loop could index; the program repeats each step W times as it is built.
+                for acc, rowsum, m_cur in qs:
+                    T.fill(acc, 0)
+                    T.fill(rowsum, 0)
+                    T.fill(m_cur, NEG_INF)
                 for it in T.serial(n_tiles):
                     st = it % num_stages
                     T.barrier_wait(k_full[st], (it // num_stages) & 1)
@@ -306,27 +275,12 @@ def nsa_selection_shared_fwd(dtype, dim, block_size, head_tile, threads, num_sta
                                 Vs[st, k, d] = T.cast(0, dtype)
                         T.fence_proxy_async()
                         T.sync_threads(CONSUMER_BARRIER, threads)
-                    _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[0], mult, ublk, st, it, 0, m0 + 0 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                    _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[1], mult, ublk, st, it, 1, m0 + 1 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                    if W > 2:
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[2], mult, ublk, st, it, 2, m0 + 2 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[3], mult, ublk, st, it, 3, m0 + 3 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                    if W > 4:
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[4], mult, ublk, st, it, 4, m0 + 4 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[5], mult, ublk, st, it, 5, m0 + 5 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[6], mult, ublk, st, it, 6, m0 + 6 + off, scale_log2, CAP, dim, head_tile, threads, sums)
-                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, qs[7], mult, ublk, st, it, 7, m0 + 7 + off, scale_log2, CAP, dim, head_tile, threads, sums)
+                    for i, state in enumerate(qs):
+                        _query_tile(Ks, Vs, Qs, Ps, S, P, m_prev, alpha, lt, state, mult, ublk, st, it, i, m0 + i + off, scale_log2, CAP,
+                                    dim, head_tile, threads, sums)
                     T.barrier_arrive(k_empty[st])
                     T.barrier_arrive(v_empty[st])
-                _query_store(O, LSE, Os, l_sum, qs[0], bb, m0 + 0, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                _query_store(O, LSE, Os, l_sum, qs[1], bb, m0 + 1, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                if W > 2:
-                    _query_store(O, LSE, Os, l_sum, qs[2], bb, m0 + 2, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                    _query_store(O, LSE, Os, l_sum, qs[3], bb, m0 + 3, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                if W > 4:
-                    _query_store(O, LSE, Os, l_sum, qs[4], bb, m0 + 4, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                    _query_store(O, LSE, Os, l_sum, qs[5], bb, m0 + 5, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                    _query_store(O, LSE, Os, l_sum, qs[6], bb, m0 + 6, M, h0, group_heads, scale, dim, head_tile, threads, sums)
-                    _query_store(O, LSE, Os, l_sum, qs[7], bb, m0 + 7, M, h0, group_heads, scale, dim, head_tile, threads, sums)
+                for i, state in enumerate(qs):
+                    _query_store(O, LSE, Os, l_sum, state, bb, m0 + i, M, h0, group_heads, scale, dim, head_tile, threads, sums)
 
     return main

@@ -12,6 +12,9 @@ DIM = 256
 DECODE_TILES = 8  # tiles whose tokens the producer decodes in one go
 CONSUMER_THREADS = WARPGROUP  # one consumer warpgroup, beside the producer one
 CANONICAL_GEOMETRY = (24, 2, 256)  # Hq, Hkv, D: the geometry of warp_specialized, the tuner and the benchmarks
+# The tuner's serving shape, both families' quick shape and the first of their full ones (tuning.workloads): decode
+# rows of `batch` requests, `context` tokens each, `width` selected tokens a row.
+SERVING_SHAPE = dict(batch=256, context=32768, width=2051)
 
 
 def attention_smem(spec: dict, t: dict) -> int:
@@ -35,13 +38,6 @@ def _attention_limits(spec, t):
     return None
 
 
-def _tuned_on(second):
-    """What both attention families' cards share: the program's pass options, the tuner's shapes (the serving
-    shape alone, quick; it and `second`, full) and the tolerance."""
-    serving = dict(batch=256, context=32768, width=2051)
-    return dict(pass_configs="PASS_CONFIGS", shapes=dict(quick=[serving], full=[dict(serving), second]), tol=1e-2)
-
-
 ATTENTION = Stage(
     "qsa_attention", "mate.qsa.kernels.sparse", "sparse_attention",
     # producers: threads that gather (one or two warpgroups before the consumer's): the H200 issues a
@@ -50,9 +46,11 @@ ATTENTION = Stage(
     # wide: the grid has at least two CTAs per SM (a shallow ring lets two share one)
     keys=("dtype", "split", "wide"),
     limits=_attention_limits,
+    pass_configs="PASS_CONFIGS",
     # batch 256: 512 CTAs (wide); the narrow keys run batch 16 (32 CTAs, 128 with 4 splits)
-    **_tuned_on(dict(batch=128, context=16384, width=2051)),
+    shapes=dict(quick=[SERVING_SHAPE], full=[SERVING_SHAPE, dict(batch=128, context=16384, width=2051)]),
     workload="qsa_attention_workload",
+    tol=1e-2,
     # the split kernel as a cluster launch of each size (mate.qsa.attention.cluster_splits): the narrow grids only
     variants=lambda spec: [{"cluster": c} for c in range(2, MAX_CLUSTER + 1)] if spec["split"] and not spec["wide"] else [],
 )
@@ -95,8 +93,10 @@ WARP_ATTENTION = Stage(
     space=dict(block_n=(16, 32), num_stages=(2, 3)),
     keys=("dtype", "split"),
     limits=_warp_limits,
-    **_tuned_on(dict(batch=64, context=32768, width=2051)),
+    pass_configs="PASS_CONFIGS",
+    shapes=dict(quick=[SERVING_SHAPE], full=[SERVING_SHAPE, dict(batch=64, context=32768, width=2051)]),
     workload="qsa_attention_warp_workload",
+    tol=1e-2,
     # FP8 K/V caches (issue 38): a compile-time option on the entry's tiles; every FP8 call runs this family
     variants=lambda spec: [{"kv_dtype": kv} for kv in FP8_KV],
 )
