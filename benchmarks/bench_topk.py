@@ -15,7 +15,7 @@ the issue's measurement: one call per CUDA-graph replay with L2 flushed before e
 --sweep times other qsa_topk tiles (threads, min_blocks, sort_mult) for the rows' key, fused call, through a patched config.
 --step times the whole decode step (issue 43): qsa_mqa_decode -> selection -> qsa_sparse_attention, one CUDA graph,
 L2 flushed before each replay, with mate's fused selection (qsa_topk_tokens) and with the torch selection; each
-stage alone beside it. Inputs: --batch requests of 32768 tokens (8192 complete 4-token blocks, the query row at the
+stage alone beside it. Inputs: BATCH requests of 32768 tokens (8192 complete 4-token blocks, the query row at the
 last position), 64-token pages in random pool order shared by the K/V cache (24 / 2 heads, D 256, BF16: 4.3 GB at
 64 requests) and the indexer's cache (16 compressed keys a page, 4 heads of D 128), a per-element gate; top-k blocks
 of the indexer's scores (2051 token slots at k 512). mate's selection is checked bit for bit against the

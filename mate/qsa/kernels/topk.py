@@ -10,11 +10,14 @@ the range's top bit, so a row whose scores share their exponent still spreads ov
 range to the bin where the count from the top reaches k. At most three rounds reach one key value, of which
 the first in id order are taken (ties to the lower ids). Where the kept keys are every key from the range's
 bottom up, each thread counts its own and each warp takes its slots from one shared counter (any order: the
-pairs are distinct, the sort orders them); where only some keys of one value are kept, a ballot-and-scan in id order gives the slots. A
-bitonic sort of the (key, id) pairs (score descending, id ascending) holds E pairs a thread in registers:
-strides below E inside the thread, below a warp's 32 E by shuffles, wider ones through shared memory (two
-buffers taken in turn: one barrier a stage). The first k pairs give the ids, -1 past the row's valid keys. With `expand`, the same CTA writes each block's `block_size` tokens and
-the row's incomplete tail block.
+pairs are distinct, the order comes next); where only some keys of one value are kept, a ballot-and-scan in id
+order gives the slots. The pairs are ordered (score descending, id ascending) by one more 11-bit digit of
+their range: a counting sort into bins, then each pair's rank among its bin's by comparison, where no bin
+holds more than ORDER_BIN_MAX of them; else (ties, clustered scores) by a bitonic sort that holds E pairs a
+thread in registers: strides below E inside the thread, below a warp's 32 E by shuffles, wider ones through
+shared memory (two buffers taken in turn: one barrier a stage). The first k pairs give the ids, -1 past the
+row's valid keys. With `expand`, the same CTA writes each block's `block_size` tokens and the row's incomplete
+tail block.
 
 `expand`: the expansion alone, one thread an output slot.
 """
@@ -95,6 +98,13 @@ def _warp_totals(n_valid: T.Ref, kmin: T.Ref, kmax: T.Ref):
 
 
 @T.macro
+def _warp_max(v: T.Ref):
+    """v becomes the warp's largest v, in every lane."""
+    for d in T.unroll(5):
+        v = T.max(v, T.shfl_xor(v, 16 >> d))
+
+
+@T.macro
 def _warp_scan(x: T.Ref, y: T.Ref, lane, suffix):
     """x becomes the inclusive sum of x over the lanes from this one up (suffix) or down to it (y: scratch)."""
     for d in T.unroll(5):
@@ -158,7 +168,7 @@ def _plan(max_keys, threads, min_blocks, sort_mult, kpow):
 
 def _alloc(plan):
     """The CTA's buffers, then its scalars: the row's count of valid keys and their range, the radix rounds'
-    range [lo, hi] and state, and five scratch integers."""
+    range [lo, hi] and state, five scratch integers, and the ordering's state (fits, shift, one scratch)."""
     # One arena for the radix histogram and the sort's exchange buffers, which are never live together (a barrier
     # apart): left to TileLang's allocator, the two took separate space at sorts of 1024 pairs and up (its merge
     # reuses a freed block of about the new one's size), 16 KB more a CTA.
@@ -175,6 +185,7 @@ def _alloc(plan):
     if plan.in_regs:
         grouped = T.alloc_shared((plan.n_sort + BINS // 2,), "uint64")
     else:
+        assert plan.max_keys >= 2 * plan.n_sort + BINS, "the dead keys hold the ordering's pairs and bins"
         grouped = T.view(buffers[7], (plan.max_keys // 2,), "uint64")
     buffers += (grouped, T.view(grouped, (2 * grouped.shape[0],), "int32"))
     return buffers + alloc_vars(1) + alloc_vars(4, "uint32") + alloc_vars(12)
@@ -351,14 +362,12 @@ def _order_by_bins(plan, xb, grouped, ghist, part, tx, lane, wid, lo, kmax, tota
     v = 0
     for j in T.unroll(plan.bins_per_thread):
         v = T.max(v, ghist[h + tx * plan.bins_per_thread + j])
-    for d in T.unroll(5):
-        v = T.max(v, T.shfl_xor(v, 16 >> d))
+    _warp_max(v)
     if lane == 0:
         part[0, wid] = T.Cast("uint32", v)
     _bins_above(plan, ghist, h, part, tx, lane, wid, acc, x, y)
     v = T.if_then_else(lane < plan.nw, T.Cast("int32", part[0, lane]), 0)
-    for d in T.unroll(5):
-        v = T.max(v, T.shfl_xor(v, 16 >> d))
+    _warp_max(v)
     fits = T.Cast("int32", v <= ORDER_BIN_MAX)
     if fits != 0:
         # each bin's start (pairs in the bins above it) in the high half-word: an atomic on it returns the start
