@@ -22,7 +22,8 @@ and with --upstream DIR the real vLLM and SGLang Triton kernels (benchmarks/upst
 DIR/vllm_qsa.py and DIR/sglang_qsa.py, copies of their sources, not in this repository).
 `--sweep` also times the small-CTA family's tiles (block_n x num_stages) and split counts.
 `--variants NAME=FILE ...`: the same-run A/B of small-CTA programs (FILE: another version of
-mate/qsa/kernels/sparse_warp.py, `-` the shipped one); with --kv-dtype, each version's FP8 timings.
+mate/qsa/kernels/sparse_warp.py, `-` the shipped one), at `--variant-gates` (element, head, none) and
+`--variant-splits`; with --kv-dtype, each version's FP8 timings.
 `--kv-dtype e4m3|e5m2 ...` (issue 38): each case's K/V quantized to that FP8 kind at k_scale 0.02 / v_scale 0.03
 (the issue's), timed as `mate <kind>` beside mate on the BF16 cache in the same run (and `mate <kind> tensor-scale`
 with the scales as device tensors); the FP8 output is checked against the reference on the same FP8 inputs, and
@@ -81,6 +82,10 @@ def gbytes(p) -> float:
     return int((p["token_indices"] >= 0).sum()) * SERVING_HKV * SERVING_D * 2 * 2 / 1e9
 
 
+# the gate kinds timed: the cases' per-element gate, its first element per head, none
+GATES = {"element": lambda g: g, "head": lambda g: g[..., 0].contiguous(), "none": lambda g: None}
+
+
 def time_case(label, p, hint, args, upstream):
     """One case: every implementation checked, then timed cold."""
     ref = mate.qsa_sparse_attention(**p, backend="reference")
@@ -104,7 +109,7 @@ def time_case(label, p, hint, args, upstream):
         ungated = dict(p, gate=None)
         run("sglang", upstream_qsa.sglang_call(sglang, ungated), mate.qsa_sparse_attention(**ungated, backend="reference"))
     if args.extra and p["gate"] is not None:
-        for gate_name, g in (("ungated", None), ("gate per head", p["gate"][..., 0].contiguous())):
+        for gate_name, g in (("ungated", GATES["none"](p["gate"])), ("gate per head", GATES["head"](p["gate"]))):
             q = dict(p, gate=g)
             run(f"mate {gate_name}", lambda q=q: mate.qsa_sparse_attention(**q),
                 mate.qsa_sparse_attention(**q, backend="reference"))
@@ -188,6 +193,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
     ap.add_argument("--variant-splits", nargs="*", type=int, default=[], metavar="N",
                     help="with --variants (or --kv-dtype, decode cases): also time at these split counts (NAME/sN)")
+    ap.add_argument("--variant-gates", nargs="*", default=["element"], choices=list(GATES),
+                    help="with --variants: time each version with these gates (the cases' per-element gate, its first "
+                    "element per head, none)")
     ap.add_argument("--kv-dtype", nargs="*", default=[], choices=list(FP8_KINDS), help="FP8 caches of these kinds (issue 38)")
     ap.add_argument("--out", default=str(RESULTS / "qsa_attention_h200.json"))
     args = ap.parse_args(argv)
@@ -221,13 +229,14 @@ def main(argv=None) -> dict:
             elif sources:
                 with program_variants("qsa_attention_warp", sources) as use:
                     res = dict(case=label, us={})
-                    ref = mate.qsa_sparse_attention(**q, backend="reference")
+                    gated = {g: dict(q, gate=GATES[g](q["gate"])) for g in args.variant_gates}
+                    refs = {g: mate.qsa_sparse_attention(**qg, backend="reference") for g, qg in gated.items()}
                     for name in sources:
                         use(name)
-                        for s in [None, *args.variant_splits]:
-                            call = lambda s=s: mate.qsa_sparse_attention(**q, num_splits=s)  # noqa: E731
-                            key = name if s is None else f"{name}/s{s}"
-                            checked(f"{label} {key}", call, ref)
+                        for (g, qg), s in itertools.product(gated.items(), [None, *args.variant_splits]):
+                            call = lambda qg=qg, s=s: mate.qsa_sparse_attention(**qg, num_splits=s)  # noqa: E731
+                            key = name + ("" if s is None else f"/s{s}") + ("" if g == "element" else f" gate {g}")
+                            checked(f"{label} {key}", call, refs[g])
                             res["us"][key] = cold_graph_us(call)
                     print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items()), flush=True)
             else:

@@ -127,6 +127,7 @@ def step_case(batch, k, seed=0):
     q_idx, q, gate = rand(batch, H_IDX, D_IDX), rand(batch, 1, HQ, DIM), rand(batch, 1, HQ, DIM)
     seq_lens = torch.full((batch,), STEP_TOKENS, dtype=torch.int32, device="cuda")
     context = seq_lens // 4
+    positions = seq_lens - 1  # the step's query positions, an input of the step as in a server (not timed)
     n_keys = pages * (STEP_PAGE // 4)
 
     def indexer():
@@ -137,10 +138,10 @@ def step_case(batch, k, seed=0):
                                          seq_lens_k=seq_lens, gate=gate)
 
     def mate_select(logits):
-        return mate.qsa_topk_tokens(logits, k, seq_lens - 1)
+        return mate.qsa_topk_tokens(logits, k, positions)
 
     def torch_sel(logits):
-        return torch_select(logits, k, seq_lens - 1)
+        return torch_select(logits, k, positions)
 
     return indexer, mate_select, torch_sel, attention
 

@@ -2,6 +2,8 @@
 
 import tilelang.language as T
 
+LOG2E = 1.4426950408889634
+
 # TileLang 0.1.15's barrier intrinsics (bar.sync, mbarrier wait/arrive) are asm without a
 # "memory" clobber, so the compiler may move shared-memory loads and stores across them; a
 # compiler fence next to each barrier pins the order. A program that calls fence() imports
@@ -105,3 +107,11 @@ def upcast_stage(X8, Xs, st):
     more.)"""
     for k, d in T.Parallel(X8.shape[1], X8.shape[2]):
         Xs[0, k, d] = T.cast(X8[st, k, d], Xs.dtype)
+
+
+def times_sigmoid(x, g):
+    """x * sigmoid(g) in FP32, as x / (1 + 2^(-g log2 e)) with the fast division (__fdividef: a reciprocal and a
+    multiply; 0 where 1 + 2^(-g log2 e) overflows, sigmoid's limit). IEEE division leaves a slow-path call after
+    every element, and ptxas moves no load across it: a gated epilogue's gate loads went out one at a time, each
+    after the store before it (the small-CTA program: 128 dependent loads a lane)."""
+    return T.call_extern("float32", "__fdividef", x, 1 + T.exp2(g * -LOG2E))

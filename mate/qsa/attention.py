@@ -571,19 +571,20 @@ def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     """SplitKV count of the small-CTA family for `num_splits=None`: the most splits whose grid still fits one
     wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split of fewer than
     MIN_SPLIT_TILES tiles but the last;
-    past one wave, 1 or 2 splits, whichever ends in the smaller partial last wave (measured in one split's CTA
-    time), 1 on a tie: the merge's extra pass is paid only where it shortens the tail.
+    past one wave, 2 splits only where they end at least 10% sooner (in waves of one split's CTA time) than 1:
+    two splits cost about 10% more per wave (their partials written and merged), so a tail shortened by less
+    does not pay.
 
-    H200, issue 37's inputs, per-element gate, cold graph, us (1 / 2 splits; the count this picks first):
-    rows 64 (128 row-heads, 5 fit a wave) 186.5 / 104.4, 5 splits 99.4; rows 256 (512 row-heads: 1 or 2 full
-    waves) 281.9 / 306.8; prefill (8192 row-heads: 13 waves in one split, 12.5 in two) 2410 / 2460 (after the
-    gate epilogue lost its branches; before it two splits won everywhere past a wave,
-    benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md)."""
+    Cold graph, us, issue 37's inputs, per-element gate (1 / 2 splits; the count this picks first): H200
+    2026-12-04, rows 64 (128 row-heads, 5 fit a wave) 186.5 / 104.4, 5 splits 99.4; rows 256 (512 row-heads)
+    281.9 / 306.8; prefill (8192 row-heads: 13 waves in one split, 12.5 in two) 2410 / 2460
+    (benchmarks/results/NVIDIA_H200-2026-12-04-qsa-small-cta.md). H100 2026-12-07, the gate's fast division
+    (mate._tl.times_sigmoid): prefill 2371 / 2518 (benchmarks/results/NVIDIA_H100-2026-12-07-qsa-gate.md)."""
     wave = resident * sms
     if rows_x_heads <= wave:
         return max(1, min(-(-tiles // MIN_SPLIT_TILES), wave // max(1, rows_x_heads)))
     waves = lambda s: -(-rows_x_heads * s // wave) / s  # noqa: E731
-    return 2 if tiles >= 2 and waves(2) < waves(1) else 1
+    return 2 if tiles >= 2 and waves(2) <= 0.9 * waves(1) else 1
 
 
 def family(rows_x_heads: int, sms: int) -> str:

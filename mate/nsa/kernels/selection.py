@@ -60,13 +60,12 @@ program of a CTA of W queries that gathers their union once is selection_shared.
 import tilelang.language as T
 
 from mate._tl import (
-    FENCE_SOURCE, alloc_softmax_keys_as_m, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m,
+    FENCE_SOURCE, LOG2E, alloc_softmax_keys_as_m, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m,
     softmax_step_keys_as_m,
 )
 from mate.nsa.kernels.selection_card import MAX_SLOTS, TILE_KEYS
 
 NEG_INF = -T.infinity("float32")
-LOG2E = 1.4426950408889634
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroup (TileLang's own reductions there use 1 and 2)
 # The program places its own barriers (mbarriers between the roles, named barriers inside the
 # consumer), which TileLang 0.1.15's sync planner would mistake for a whole-CTA matter. Its

@@ -43,7 +43,7 @@ programs place their own barriers, see the forward's PASS_CONFIGS).
 
 import tilelang.language as T
 
-from mate._tl import assume_aligned, fence
+from mate._tl import LOG2E, assume_aligned, fence
 from mate.nsa.kernels.selection import (  # noqa: F401
     CONSUMER_BARRIER, PASS_CONFIGS, _alloc_ring_state, _compact_blocks, _kernel_prologue, _landed_product, _masked_tile,
     _produce, _tile_key, _tiles_per_block, _zero_masked_v,
@@ -51,7 +51,6 @@ from mate.nsa.kernels.selection import (  # noqa: F401
 from mate.nsa.kernels.selection_bwd_card import CONSUMER_REGS, PRODUCER_REGS
 from mate.nsa.kernels.selection_card import TILE_KEYS
 
-LOG2E = 1.4426950408889634
 INF = T.infinity("float32")
 
 

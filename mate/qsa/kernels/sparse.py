@@ -95,7 +95,8 @@ import tilelang.language as T
 from tvm import tirx
 
 from mate._tl import (
-    FENCE_SOURCE, alloc_softmax_keys_as_m, alloc_vars, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m, softmax_step_keys_as_m,
+    FENCE_SOURCE, LOG2E, alloc_softmax_keys_as_m, alloc_vars, assume_aligned, fence, lse_keys_as_m, publish_p_keys_as_m,
+    softmax_step_keys_as_m, times_sigmoid,
 )
 from mate.qsa.kernels.sparse_card import CONSUMER_THREADS, DECODE_TILES, DIM, TILE
 
@@ -115,7 +116,6 @@ CLUSTER_SOURCE = (
 NEG_INF = -T.infinity("float32")
 ZERO = lambda dtype: tirx.const(0, dtype)  # a literal zero: the cp.async zero-fill pattern matches only that
 M_FLOOR = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) of an all-masked tile is 1
-LOG2E = 1.4426950408889634
 
 # flags bits (an absent buffer's flag is 0)
 HAS_SEQ_LENS_Q = 1
@@ -472,7 +472,7 @@ def _store_output(O, LSE, G, GH, acc, m_cur, l_sum, inv, row, h0, group, scale, 
         if h < group:
             o = acc[d, h] * inv[h]
             gv = T.if_then_else(gated, gate_at(G, GH, flags, row, h0 + h, d), 0)
-            O[row, h0 + h, d] = T.if_then_else(gated, o / (1 + T.exp(-gv)), o)
+            O[row, h0 + h, d] = T.if_then_else(gated, times_sigmoid(o, gv), o)
     if (flags & WRITE_LSE) != 0:
         for h in T.Parallel(head_tile):
             if h < group:
@@ -679,7 +679,7 @@ def _merge_store(G, GH, O, LSE, st, flags, r, h, d, lanes, live, write_lse, D):
         if live & (d + v < D):
             o = st[3 + v] * inv
             gv = T.if_then_else(gated, gate_at(G, GH, flags, r, h, d + v), 0)
-            O[r, h, d + v] = T.cast(T.if_then_else(gated, o / (1 + T.exp(-gv)), o), O.dtype)
+            O[r, h, d + v] = T.cast(T.if_then_else(gated, times_sigmoid(o, gv), o), O.dtype)
     if write_lse & ((flags & WRITE_LSE) != 0):
         LSE[r, h] = T.if_then_else(st[1] > 0, st[0] + T.log(st[1]), NEG_INF)
 

@@ -22,7 +22,7 @@ macros, shared), so the two programs take the same arguments.
 
 import tilelang.language as T
 
-from mate._tl import FENCE_SOURCE, alloc_vars, assume_aligned, fence, scale_into_fp16, upcast_stage
+from mate._tl import FENCE_SOURCE, alloc_vars, assume_aligned, fence, scale_into_fp16, times_sigmoid, upcast_stage
 from mate.qsa.kernels.sparse import (
     GATE_NATIVE, HAS_GATE, K_SCALE_DEV, LOG2E, M_FLOOR, NEG_INF, NO_COMMIT_WAIT, PASS_CONFIGS as _BASE_PASS_CONFIGS, V_SCALE_DEV,
     ROW_PHYSICAL, SPLIT_SOURCE, WRITE_LSE, ZERO, Signature, _list_share, token_id, _prefetch_metadata, _row_keys, _row_request,
@@ -124,14 +124,14 @@ def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t,
 def _store(O, acc, alpha, row, h0, group, gate):
     """The output rows of the group's heads, times sigmoid(gate) where there is one. A padded head repeats the
     group's last one bit for bit (same Q row, same keys), so it stores that head's values again: no branch
-    around a load, and all of a lane's gate loads go out together (behind a branch, each waited for the
-    store before it)."""
+    around a load, and no branch after one (times_sigmoid), so that a lane's gate loads go out together
+    (with a branch, each waited for the store before it)."""
     for h, d in T.Parallel(HEADS, DIM):
         hd = h0 + T.min(h, group - 1)
         if gate is None:
             O[row, hd, d] = acc[h, d] * alpha[h]
         else:
-            O[row, hd, d] = acc[h, d] * alpha[h] / (1 + T.exp(-T.cast(gate[row, hd, d], "float32")))
+            O[row, hd, d] = times_sigmoid(acc[h, d] * alpha[h], T.cast(gate[row, hd, d], "float32"))
 
 
 @T.macro

@@ -99,13 +99,12 @@ runs this kernel, cuDNN's and FlashAttention-3's at its 700 W limit
 
 import tilelang.language as T
 
-from mate._tl import assume_aligned
+from mate._tl import LOG2E, assume_aligned
 from mate.swa.kernels.gqa_card import WINDOWS
 LN2 = 0.6931471805599453
 
 
 NEG_INF = -T.infinity("float32")
-LOG2E = 1.4426950408889634
 
 
 def _tile_start(lo, hi, t, Sk, block_n, has_right, base=None):
