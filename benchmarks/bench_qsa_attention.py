@@ -109,7 +109,7 @@ def time_case(label, p, hint, args, upstream):
         ungated = dict(p, gate=None)
         run("sglang", upstream_qsa.sglang_call(sglang, ungated), mate.qsa_sparse_attention(**ungated, backend="reference"))
     if args.extra and p["gate"] is not None:
-        for gate_name, g in (("ungated", GATES["none"](p["gate"])), ("gate per head", GATES["head"](p["gate"]))):
+        for gate_name, g in (("ungated", None), ("gate per head", GATES["head"](p["gate"]))):
             q = dict(p, gate=g)
             run(f"mate {gate_name}", lambda q=q: mate.qsa_sparse_attention(**q),
                 mate.qsa_sparse_attention(**q, backend="reference"))

@@ -565,15 +565,17 @@ def _native_rows(query, indices, block_indices, query_positions, gate, out, lse,
 # e4m3 / e5m2 caches, rows 1 (2 row-heads, 129 tiles), cold graph: 129 splits of one tile 30.7 / 30.4 us, 33 of
 # four 25.1 / 24.9, 16 33.2 / 32.7; rows 8: 41 splits 32.4, 33 32.3 (NVIDIA_H100-2026-12-05-qsa-fp8-fp16-mma.md).
 MIN_SPLIT_TILES = 4
+# Past one wave, two splits run about 10% longer a wave than one (their partials written and merged): they must
+# end at least that much sooner (warp_splits).
+TWO_SPLIT_GAIN = 0.9
 
 
 def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     """SplitKV count of the small-CTA family for `num_splits=None`: the most splits whose grid still fits one
     wave of `resident` CTAs an SM (a second, partial wave costs a whole CTA's time), no split of fewer than
     MIN_SPLIT_TILES tiles but the last;
-    past one wave, 2 splits only where they end at least 10% sooner (in waves of one split's CTA time) than 1:
-    two splits cost about 10% more per wave (their partials written and merged), so a tail shortened by less
-    does not pay.
+    past one wave, 2 splits only where they end at least 10% sooner than 1 (TWO_SPLIT_GAIN; in waves of one
+    split's CTA time).
 
     Cold graph, us, issue 37's inputs, per-element gate (1 / 2 splits; the count this picks first): H200
     2026-12-04, rows 64 (128 row-heads, 5 fit a wave) 186.5 / 104.4, 5 splits 99.4; rows 256 (512 row-heads)
@@ -584,7 +586,7 @@ def warp_splits(rows_x_heads: int, tiles: int, sms: int, resident: int) -> int:
     if rows_x_heads <= wave:
         return max(1, min(-(-tiles // MIN_SPLIT_TILES), wave // max(1, rows_x_heads)))
     waves = lambda s: -(-rows_x_heads * s // wave) / s  # noqa: E731
-    return 2 if tiles >= 2 and waves(2) <= 0.9 * waves(1) else 1
+    return 2 if tiles >= 2 and waves(2) <= TWO_SPLIT_GAIN * waves(1) else 1
 
 
 def family(rows_x_heads: int, sms: int) -> str:
