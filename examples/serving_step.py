@@ -5,11 +5,12 @@ The KV cache (24 query / 2 KV heads, D 256) and the indexer's cache of
 compressed keys (one per 4-token block, 4 heads of D 128) share one page
 table: a page holds 64 tokens, i.e. 16 compressed keys.
 
-1. qsa_mqa_decode scores every complete 4-token block of each request;
-2. qsa_topk_tokens keeps the 64 best blocks (-1 where fewer are visible) and
-   expands each block j to tokens 4j..4j+3, plus the (up to 3) tokens of the
-   newest, incomplete block, in one kernel;
-3. qsa_sparse_attention attends over those tokens, gated per head (sigmoid),
+1. qsa_mqa_decode(topk=64) scores every complete 4-token block of each request,
+   keeps the 64 best blocks (-1 where fewer are visible) and expands each
+   block j to tokens 4j..4j+3, plus the (up to 3) tokens of the newest,
+   incomplete block (the same as qsa_mqa_decode's scores through
+   qsa_topk_tokens);
+2. qsa_sparse_attention attends over those tokens, gated per head (sigmoid),
    with the blocks as its hint.
 
 On a Hopper GPU the whole step is captured once in a CUDA graph and replayed
@@ -38,14 +39,19 @@ PAGE = 64  # tokens per page; 16 compressed keys per page of the index cache
 TOPK = 64
 
 
+def logits_of(backend, q_idx, index_cache, table, seq_lens, **selection):
+    """The indexer's scores of every complete block (context: the visible compressed keys), or with `topk` their
+    selection (block ids, token ids)."""
+    return mate.qsa_mqa_decode(q_idx, index_cache, table, seq_lens // 4, table.shape[1] * (PAGE // 4), **selection, backend=backend)
+
+
 def step(backend, q_idx, index_cache, q, key, value, gate, table, seq_lens):
-    """(indexer logits [B, keys], token ids [B, W], attention output [B, 1, HQ, DIM]) of one decode step."""
-    context = seq_lens // 4  # complete blocks: the indexer's visible compressed keys
-    logits = mate.qsa_mqa_decode(q_idx, index_cache, table, context, table.shape[1] * (PAGE // 4), backend=backend)
-    blocks, tokens = mate.qsa_topk_tokens(logits, TOPK, seq_lens - 1, backend=backend)  # the query row sits at seq_len - 1
+    """(token ids [B, W], attention output [B, 1, HQ, DIM]) of one decode step."""
+    # the query row sits at seq_len - 1
+    blocks, tokens = logits_of(backend, q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)
     out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_indices=blocks[:, None], block_table=table,
                                     seq_lens_k=seq_lens, gate=gate, backend=backend)
-    return logits, tokens, out
+    return tokens, out
 
 
 def naive_tokens(logits, seq_lens):
@@ -106,7 +112,8 @@ def main(argv=None):
     print(f"  {len(lens)} requests of {lens} tokens, pages of {PAGE}, top-{TOPK} blocks -> {4 * TOPK + 3} token slots a row")
 
     if backend == "reference":
-        logits, tokens, out = step(backend, *args)
+        tokens, out = step(backend, *args)
+        logits = logits_of(backend, q_idx, index_cache, table, seq_lens)
         print("  ran the step with backend='reference'; checked against a naive computation:")
         report("indexer logits", logits, naive_logits(q_idx, index_cache, table, seq_lens), "naive relu scores", 1e-5)
         report("selected token ids", tokens, naive_tokens(logits, seq_lens), "a naive sort", 0.0)
@@ -128,7 +135,7 @@ def main(argv=None):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits, tokens, out = step(backend, *args)
+            tokens, out = step(backend, *args)
 
     # The next token of every request arrives: new queries, one more token in the caches, lengths + 1.
     seq_lens += 1
@@ -140,16 +147,16 @@ def main(argv=None):
         if (n + 1) % 4 == 0:
             index_cache[table[b, n // PAGE], (n // 4) % (PAGE // 4)] = rand(DIM_IDX)
     if compiled:
-        logits, tokens, out = replay(*args)
+        tokens, out = replay(*args)
     else:
         graph.replay()
     torch.cuda.synchronize()
     how = 'with torch.compile(mode="reduce-overhead")' if compiled else "in a CUDA graph"
     print(f"  captured the step {how} and replayed it for the next token ({[n + 1 for n in lens]} tokens)")
-    ref_logits = mate.qsa_mqa_decode(q_idx, index_cache, table, seq_lens // 4, logits.shape[1], backend="reference")
-    report("indexer logits", logits, ref_logits, "backend='reference'", 1e-4)
-    ref_tokens = mate.qsa_topk_tokens(logits, TOPK, seq_lens - 1, backend="reference")[1]
-    report("selected token ids (on the replay's logits)", tokens, ref_tokens, "backend='reference'", 0.0)
+    report("indexer logits (called alone)", logits_of(backend, q_idx, index_cache, table, seq_lens),
+           logits_of("reference", q_idx, index_cache, table, seq_lens), "backend='reference'", 1e-4)
+    ref_tokens = logits_of("reference", q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)[1]
+    report("selected token ids", tokens, ref_tokens, "backend='reference'", 0.0)
     ref_out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_table=table, seq_lens_k=seq_lens, gate=gate,
                                         backend="reference")
     report("attention output (on the replay's token ids)", out, ref_out, "backend='reference'", 1e-2)

@@ -96,7 +96,7 @@ def _bind(sig: inspect.Signature, args, kwargs) -> dict:
     return bound.arguments
 
 
-def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=None, passes=None, returns=None, types=None):
+def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=None, passes=None, returns=None, types=None, listed=False):
     """torch.ops.mate.<name> from the entrypoint's signature, and the public function (eager: the entrypoint itself).
 
     A functional op (no `buffers`) has the entrypoint's parameters and defaults; custom ops
@@ -114,7 +114,9 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
     - passes: {buffer: when(op_args)} whether the op hands that buffer to the entrypoint
       (default: if it is a parameter); a buffer it does not hand over gets the result copied in;
     - returns(args, *buffers): the public result under torch.compile;
-    - types: {parameter: type} where the entrypoint's annotation is no schema type.
+    - types: {parameter: type} where the entrypoint's annotation is no schema type;
+    - listed: the entrypoint returns a tensor or a tuple of tensors, by its arguments (no schema type):
+      the op returns them as a list (`fake` too), the public function as the entrypoint does.
     A tuple given for a list parameter goes through as a list; a scale parameter (float | Tensor, an FP8
     cache's k_scale / v_scale) is two op parameters, `n` (the tensor) and `n_value` (the float).
     """
@@ -124,7 +126,7 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
     if buffers is None:
         kw_tensors = any(p.kind is P.KEYWORD_ONLY and _is_tensor(types[n]) for n, p in sig.parameters.items())
         params = [p.replace(annotation=types[n], kind=P.POSITIONAL_OR_KEYWORD if kw_tensors else p.kind) for n, p in sig.parameters.items()]
-        op_sig = sig.replace(parameters=params)
+        op_sig = sig.replace(parameters=params, return_annotation=list[Tensor] if listed else sig.return_annotation)
     else:
         fixed, extra, passes = fixed or {}, extra or {}, passes or {}
         given = [n for n, p in sig.parameters.items() if p.kind is P.POSITIONAL_OR_KEYWORD]
@@ -141,7 +143,8 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
             value = a.pop(f"{n}_value")
             a[n] = value if a[n] is None else a[n]
         if buffers is None:
-            return entrypoint(**a)
+            result = entrypoint(**a)
+            return (list(result) if isinstance(result, tuple) else [result]) if listed else result
         handed = {b: b in sig.parameters and passes.get(b, lambda _: True)(a) for b in buffers}
         kw = {n: a[n] for n in sig.parameters if n in a and n not in buffers}
         kw.update(fixed, **{b: a[b] if handed[b] else None for b in buffers if b in sig.parameters})
@@ -165,6 +168,8 @@ def register(name, entrypoint, *, fake=None, buffers=None, fixed=None, extra=Non
         values = {n: list(a[n]) if n in lists and isinstance(a[n], tuple) else a[n] for n in op_sig.parameters}
         positional = [values[n] for n, p in op_sig.parameters.items() if p.kind is P.POSITIONAL_OR_KEYWORD]
         result = op(*positional, **{n: values[n] for n, p in op_sig.parameters.items() if p.kind is P.KEYWORD_ONLY})
+        if listed:
+            return result[0] if len(result) == 1 else tuple(result)
         return result if buffers is None else returns(a, *(a[b] for b in buffers))
 
     return _entry(entrypoint, compiled)
@@ -188,8 +193,16 @@ qsa_indexer_mqa_score = register(
 )
 qsa_mqa_prefill = qsa_mqa = register(
     "qsa_mqa_prefill", indexer.qsa_mqa_prefill, fake=lambda a: _fake_scores((a["q"].shape[0], a["k"].shape[0]), a["q"]))
-qsa_mqa_decode = register(
-    "qsa_mqa_decode", indexer.qsa_mqa_decode, fake=lambda a: _fake_scores((a["q"].shape[0], a["max_model_len"]), a["q"]))
+def _fake_decode(a):
+    """The scores, or with topk the selection's block and token ids."""
+    rows = a["q"].shape[0]
+    if a["topk"] is None:
+        return [_fake_scores((rows, a["max_model_len"]), a["q"])]
+    k, bs = a["topk"], a["block_size"]
+    return [a["q"].new_empty((rows, k), dtype=torch.int32), a["q"].new_empty((rows, bs * k + bs - 1), dtype=torch.int32)]
+
+
+qsa_mqa_decode = register("qsa_mqa_decode", indexer.qsa_mqa_decode, fake=_fake_decode, listed=True)
 
 
 # ---------------------------------------------------------------- entrypoints with out / lse buffers

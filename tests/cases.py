@@ -120,6 +120,34 @@ def _mqa_decode(kv_dtype=None, q_dtype=BF16, tensor_scale=False):
 mqa_decode = _mqa_decode()
 
 
+def mqa_decode_topk(device, gen):
+    """The decode selection (qsa_mqa_decode(topk=...)): q and keys small integers, scale 1/4, so the scores are
+    exact and the selection must be too; views at offsets, missing and past-the-pool pages, empty and long
+    contexts, a -inf tail past the table, rows with fewer visible keys than k, positions around the block edges."""
+    B, pages, ps, max_pages, k = 6, 40, 16, 8, 100
+    base_q = randint(gen, -3, 4, (B + 1, 4, 128), device).to(BF16)
+    q = base_q[1:]
+    cache = randint(gen, -3, 4, (pages + 1, ps, 1, 128), device).to(BF16)[1:]
+    table = torch.zeros(B, max_pages, dtype=I32, device=device)
+    ctx = torch.zeros(B, dtype=I32, device=device)
+    pos = torch.zeros(B, dtype=I32, device=device)
+
+    def refresh():
+        t = randint(gen, 0, pages, (B, max_pages), device)
+        t[0, 1], t[1, 0], t[2, -1] = -1, pages, pages + 1000
+        table.copy_(t)
+        c = randint(gen, 1, max_pages * ps + 1, (B,), device)
+        c[3], c[4], c[5] = 0, max_pages * ps + 40, 50
+        ctx.copy_(c)
+        pos.copy_(4 * c + randint(gen, -3, 4, (B,), device))
+
+    def call(backend):
+        return mate.qsa_mqa_decode(q, cache, table, ctx, max_pages * ps + 5, scale=0.25, topk=k, query_positions=pos, backend=backend)
+
+    refresh()
+    return Problem(call, refresh, tol=0.0)
+
+
 # ---------------------------------------------------------------- NSA selection
 
 
@@ -512,6 +540,7 @@ CASES = {
     "mqa_score": mqa_score,
     "mqa_prefill": mqa_prefill,
     "mqa_decode": mqa_decode,
+    "mqa_decode_topk": mqa_decode_topk,
     "mqa_decode_fp8": _mqa_decode(torch.float8_e4m3fn),  # a float k_scale, BF16 q
     "mqa_decode_fp8_tensor_scale": _mqa_decode(torch.float8_e5m2, torch.float16, tensor_scale=True),
     "nsa_selection": nsa_selection,

@@ -136,6 +136,40 @@ def test_decode(gen, q_rank):
         close(out[b], ref)
 
 
+def test_decode_topk_is_the_selection_of_the_scores(gen):
+    """topk= returns qsa_topk_tokens of the call's own scores (rows with fewer visible keys than k: -1 fills)."""
+    B, ps, pages, d, L = 4, 4, 6, 16, 22
+    q = rand(gen, B, H, d)
+    cache = rand(gen, pages, ps, 1, d)
+    table = torch.tensor([[0, 1, 2, 3], [5, -1, 4, 9], [2, 2, 2, 2], [1, 0, -1, -1]], dtype=torch.int32)
+    ctx = torch.tensor([16, 13, 0, 30], dtype=torch.int32)
+    pos = torch.tensor([70, 55, 2, 121], dtype=torch.int32)
+    scores = mate.qsa_mqa_decode(q, cache, table, ctx, L, scale=0.25, backend="reference")
+    for k, bs in ((5, 4), (13, 2), (22, 4)):
+        blocks, tokens = mate.qsa_mqa_decode(q, cache, table, ctx, L, scale=0.25, topk=k, query_positions=pos, block_size=bs,
+                                             backend="reference")
+        want = mate.qsa_topk_tokens(scores, k, pos, block_size=bs, backend="reference")
+        assert torch.equal(blocks, want[0]) and torch.equal(tokens, want[1])
+        assert (blocks[2] == -1).all() and (blocks[0] >= 0).sum() == min(k, 16)  # request 0 sees 16 keys
+
+
+def test_decode_topk_errors():
+    q, k, table, ctx, pos = bf16(2, H, D), bf16(3, 16, D), i32(0, 1).view(2, 1), i32(5, 8), i32(20, 30)
+    raises(ValueError, "topk must be in", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=0, query_positions=pos, backend="reference")
+    raises(ValueError, "topk must be in", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=17, query_positions=pos, backend="reference")
+    raises(ValueError, "topk must be in", mate.qsa_mqa_decode, q, k, table, ctx, 4096, topk=2049, query_positions=pos,
+           backend="reference")
+    raises(TypeError, "topk must be an int", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=2.0, query_positions=pos,
+           backend="reference")
+    raises(TypeError, "query_positions", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=4, backend="reference")
+    raises(ValueError, "query_positions", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=4, query_positions=i32(1, 2, 3),
+           backend="reference")
+    raises(ValueError, "query_positions is the selection", mate.qsa_mqa_decode, q, k, table, ctx, 16, query_positions=pos,
+           backend="reference")
+    raises(ValueError, "block_size", mate.qsa_mqa_decode, q, k, table, ctx, 16, topk=4, query_positions=pos, block_size=0,
+           backend="reference")
+
+
 def test_scale_and_score_scale_agree(gen):
     q, k = rand(gen, 1, 8, H, 16), rand(gen, 1, 3, 16)
     a = mate.qsa_indexer_mqa_score(q, k, scale=0.25, backend="reference")

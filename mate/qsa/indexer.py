@@ -21,7 +21,7 @@ import torch
 
 from mate import _checks as C
 from mate import _debug, _dispatch
-from mate.qsa import reference
+from mate.qsa import reference, selection
 from mate.qsa.kernels.mqa_card import DIM, HEADS
 from mate.qsa.kernels.mqa_card import PAGE_SIZES as DECODE_PAGE_SIZES
 
@@ -324,9 +324,12 @@ def qsa_mqa_decode(
     *,
     scale: float | None = None,
     k_scale: float | torch.Tensor | None = None,
+    topk: int | None = None,
+    query_positions: torch.Tensor | None = None,
+    block_size: int = 4,
     backend: str = "tilelang",
-) -> torch.Tensor:
-    """Paged-decode MQA logits: FP32 [B, max_model_len].
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged-decode MQA logits: FP32 [B, max_model_len]; with `topk`, the selection made from them instead.
 
     q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, 1, dim]
     or [pages, page_size, dim]; page_table int32 [B, max_pages] of page ids
@@ -349,12 +352,27 @@ def qsa_mqa_decode(
     an FP8 q, a k_scale <= 0, NaN, inf or != 1 on a BF16/FP16 cache, a tensor k_scale on a BF16/FP16
     cache or of more than one element or on another device; TypeError for a k_scale that is neither a
     number nor a tensor, or a tensor that is not float32.
+
+    Fused selection: `topk=k` (1 <= k <= min(max_model_len, 2048)) with `query_positions` (int32 [B], each
+    request's position: its incomplete tail block's last token) returns (block_indices int32 [B, k],
+    token_indices int32 [B, block_size * k + block_size - 1]), exactly
+    `qsa_topk_tokens(qsa_mqa_decode(...), k, query_positions, block_size=block_size)` (the ids of each row's k
+    largest scores in descending order, ties to the lower id, -1 past the visible keys; then their token
+    expansion): qsa_sparse_attention's token_indices and block_indices. Natively that is today the indexer's
+    kernel and the top-k's (the scores go through a temporary FP32 [B, max_model_len] in global memory): the
+    native limits of both hold (max_model_len up to 49152).
     """
     problem = _resolve_decode(**locals())  # first statement: locals() is exactly the parameters
     if problem.backend == "reference":
         p = problem
         cache = C.dequantized(p.cache, p.kv.k_value(p.cache)) if p.kv.fp8 else p.cache
-        return reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
+        scores = reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
+        if p.topk is None:
+            return scores
+        blocks = reference.topk_blocks(scores, p.topk)
+        return blocks, reference.expand_blocks(blocks, p.query_positions, p.block_size)
+    if problem.topk is not None:
+        return _decode_topk_native(problem)
     return _decode_native(problem)
 
 
@@ -371,10 +389,14 @@ class DecodeProblem(NamedTuple):
     scale: float
     kv: C.KVScales
     target: str | None
+    topk: int | None
+    query_positions: torch.Tensor | None
+    block_size: int
 
 
-def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, k_scale, backend) -> DecodeProblem:
-    """Every check of qsa_mqa_decode, in one order: inputs, page table and lengths, devices, the
+def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, k_scale, topk, query_positions,
+                    block_size, backend) -> DecodeProblem:
+    """Every check of qsa_mqa_decode, in one order: inputs, page table and lengths, the selection, devices, the
     debug value checks, the scale, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q", q, ndim=(3, 4))
@@ -396,7 +418,12 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         raise ValueError(f"page_table must have {batch} rows (one per request), got shape {tuple(page_table.shape)}")
     C.int32("context_lens", context_lens, shape=(batch,))
     max_model_len = C.positive_int("max_model_len", max_model_len)
-    C.same_device(q=q, k_cache=k_cache, page_table=page_table, context_lens=context_lens)
+    if topk is not None:
+        block_size = selection.check_selection(topk, max_model_len, batch, query_positions, block_size, True, name="topk",
+                                               what="max_model_len")
+    elif query_positions is not None:
+        raise ValueError("query_positions is the selection's (topk=...): without topk the call returns the scores")
+    C.same_device(q=q, k_cache=k_cache, page_table=page_table, context_lens=context_lens, query_positions=query_positions)
     if _debug.enabled():
         pages = k_cache.shape[0]
         _debug.in_range("page_table", page_table, -1, pages, f" (k_cache holds {pages} pages)")
@@ -417,7 +444,7 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         C.unit_feature_stride("q", q)
         C.vector_layout("k_cache", k_cache)
         target = _dispatch.target_of(q, "q")
-    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target)
+    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target, topk, query_positions, block_size)
 
 
 def _decode_native(p: DecodeProblem) -> torch.Tensor:
@@ -437,3 +464,10 @@ def _decode_native(p: DecodeProblem) -> torch.Tensor:
     ks = p.kv.k_tensor if dev else _dispatch.Placeholders(p.q.device)(torch.float32, 1)
     kern(p.q, cache, p.page_table, p.context_lens, out, p.scale * p.kv.k, ks, int(dev))
     return out
+
+
+
+def _decode_topk_native(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    # Two kernels, the scores through global memory: a one-kernel design (a cluster of CTAs a request, the leader
+    # selecting from the peers' scores in shared memory) was slower on the H100 (docs/performance.md, QSA selection)
+    return selection.qsa_topk_tokens(_decode_native(p), p.topk, p.query_positions, block_size=p.block_size)

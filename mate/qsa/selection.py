@@ -80,6 +80,21 @@ def qsa_expand_blocks(block_indices: torch.Tensor, query_positions: torch.Tensor
     return tokens
 
 
+def check_selection(k, keys: int, rows: int, query_positions, block_size, expand: bool, *, name: str, what: str) -> int:
+    """The checks of a top-k of `keys` scores a row, and with `expand` of its expansion (query_positions and
+    block_size); the block size, as an int."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    if not 1 <= k <= min(keys, MAX_K):
+        raise ValueError(f"{name} must be in [1, min(keys, {MAX_K})] = [1, {min(keys, MAX_K)}] for {what} with {keys} keys, got {k}")
+    if not expand:
+        return block_size
+    C.int32("query_positions", query_positions, shape=(rows,))
+    block_size = C.positive_int("block_size", block_size)
+    _width(k, block_size)
+    return block_size
+
+
 def _width(k: int, block_size: int) -> int:
     width = block_size * k + block_size - 1
     if width > 2**31 - 1:
@@ -110,14 +125,7 @@ def _resolve(scores, k, query_positions, block_size, out, backend, *, tokens: bo
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 (the indexer's scores), got {scores.dtype}")
     rows, keys = scores.shape
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if not 1 <= k <= min(keys, MAX_K):
-        raise ValueError(f"k must be in [1, min(keys, {MAX_K})] = [1, {min(keys, MAX_K)}] for scores with {keys} keys, got {k}")
-    if tokens:
-        C.int32("query_positions", query_positions, shape=(rows,))
-        block_size = C.positive_int("block_size", block_size)
-        _width(k, block_size)
+    block_size = check_selection(k, keys, rows, query_positions, block_size, tokens, name="k", what="scores")
     if out is not None:
         C.out_buffer("out", out, shape=(rows, k), dtype=torch.int32, device=scores.device)
     C.same_device(scores=scores, query_positions=query_positions, out=out)

@@ -1,0 +1,133 @@
+"""The decode selection, qsa_mqa_decode(topk=...), native vs reference on the GPU (run with `pytest -m gpu`).
+
+Exact where the scores are exact: integer-valued q and keys (|value| <= 3, 128 products) give integer dot
+products in FP32 whatever the summation order, so the native scores equal the reference's bit for bit and the
+selection (ties to the lower id included: such scores tie often) must too. On Gaussian inputs the scores differ
+by rounding, so a row's i-th selected score must equal the reference's i-th within FP32-accumulation tolerance,
+and the tokens must be the expansion of the returned blocks.
+"""
+
+import pytest
+import torch
+
+import mate
+from helpers import capture_graph, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+H, D = 4, 128
+
+
+def problem(B, page_size, L, *, dtype=torch.bfloat16, integer=False, seed=0, poison_unused=True):
+    """B requests over one shuffled pool of pages (unused pages NaN), contexts of 0 .. past the table, a hole and a
+    page past the pool in the tables."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    max_pages = -(-L // page_size)
+    pages = B * max_pages + 3
+
+    def values(*shape):
+        if integer:
+            return torch.randint(-3, 4, shape, device="cuda", generator=gen).to(dtype)
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    q = values(B, H, D)
+    cache = values(pages, page_size, 1, D)
+    table = torch.randperm(pages, device="cuda", generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
+    if poison_unused:
+        used = torch.zeros(pages, dtype=torch.bool, device="cuda")
+        used[table.flatten().long()] = True
+        cache[~used] = float("nan")
+    if B > 1:
+        table[1, 0] = -1
+    if B > 2:
+        table[2, -1] = pages + 5  # past the pool
+    ctx = torch.randint(0, L + 1, (B,), device="cuda", dtype=torch.int32, generator=gen)
+    ctx[0] = L
+    if B > 3:
+        ctx[3] = 0
+    if B > 4:
+        ctx[4] = L + 3 * page_size  # past max_model_len and the table
+    pos = 4 * ctx + torch.randint(-2, 4, (B,), device="cuda", dtype=torch.int32, generator=gen)
+    return q, cache, table, ctx, pos
+
+
+def selected_and_reference(q, cache, table, ctx, L, k, pos, **kw):
+    poison_allocator("cuda")
+    got = mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos, **kw)
+    torch.cuda.synchronize()
+    ref = mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos, **kw, backend="reference")
+    scores = mate.qsa_mqa_decode(q, cache, table, ctx, L, **kw, backend="reference")
+    return got, ref, scores
+
+
+def assert_same_selection_within(got, ref, scores, rtol=1e-4):
+    """-1 at the same slots; the i-th selected score of each row equal to the reference's i-th within rtol."""
+    assert torch.equal(got < 0, ref < 0)
+    sel = got >= 0
+    a = scores.gather(1, got.clamp(min=0).long())[sel]
+    b = scores.gather(1, ref.clamp(min=0).long())[sel]
+    assert torch.isfinite(a).all()
+    assert torch.allclose(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+    for row in got:  # distinct ids
+        ids = row[row >= 0]
+        assert ids.unique().numel() == ids.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("B, L, k", [(1, 8192, 512), (5, 8192, 2048), (7, 5000, 100), (3, 300, 1), (64, 8192, 512), (150, 2049, 33)])
+def test_exact_on_integer_scores(dtype, page_size, B, L, k):
+    q, cache, table, ctx, pos = problem(B, page_size, L, dtype=dtype, integer=True)
+    (blocks, tokens), (rb, rt), _ = selected_and_reference(q, cache, table, ctx, L, k, pos, scale=0.25)
+    assert torch.equal(blocks, rb)
+    assert torch.equal(tokens, rt)
+
+
+@pytest.mark.parametrize("B, L, k, page_size", [(1, 8192, 512, 16), (64, 8192, 512, 16), (9, 6000, 2048, 64), (4, 100, 50, 8)])
+def test_on_gaussian_scores(B, L, k, page_size):
+    q, cache, table, ctx, pos = problem(B, page_size, L)
+    (blocks, tokens), (rb, _), scores = selected_and_reference(q, cache, table, ctx, L, k, pos, score_scale=0.7)
+    assert_same_selection_within(blocks, rb, scores)
+    assert torch.equal(tokens, mate.qsa_expand_blocks(blocks, pos, backend="reference"))
+
+
+@pytest.mark.parametrize("case", ["long_rows", "fp8", "empty_pool", "broadcast_q_block_size_2"])
+def test_other_paths(case):
+    """Rows of another top-k key bucket, an FP8 cache, an empty pool (selects nothing), a stride-0 q with another
+    block size."""
+    L, kw, bs = (12000, {}, 4) if case == "long_rows" else (4096, {}, 4)
+    q, cache, table, ctx, pos = problem(6, 16, L, integer=True)
+    if case == "fp8":
+        cache = cache.nan_to_num(0).to(torch.float8_e4m3fn)
+        kw = {"k_scale": 0.5}
+    if case == "empty_pool":
+        cache = cache[:0]
+    if case == "broadcast_q_block_size_2":
+        q = q[:1].expand_as(q)
+        bs = 2
+    (blocks, tokens), (rb, rt), _ = selected_and_reference(q, cache, table, ctx, L, 300, pos, block_size=bs, scale=0.25, **kw)
+    assert torch.equal(blocks, rb)
+    assert torch.equal(tokens, rt)
+    if case == "empty_pool":
+        assert (blocks == -1).all()
+
+
+def test_graph_replay_uses_current_metadata_and_is_deterministic():
+    B, ps, L, k = 8, 16, 8192, 512
+    # no NaN pages: the new tables read pages the first one left unused
+    q, cache, table, ctx, pos = problem(B, ps, L, integer=True, poison_unused=False)
+    mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos)  # compiles outside the capture
+    graph, (blocks, tokens) = capture_graph(lambda: mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos))
+    for seed in (1, 2):
+        _, _, t2, c2, p2 = problem(B, ps, L, integer=True, seed=seed, poison_unused=False)
+        table.copy_(t2)
+        ctx.copy_(c2)
+        pos.copy_(p2)
+        blocks.fill_(-7)
+        tokens.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        rb, rt = mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos, backend="reference")
+        assert torch.equal(blocks, rb) and torch.equal(tokens, rt)
+    eager = [mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos) for _ in range(3)]
+    assert all(torch.equal(e[0], eager[0][0]) and torch.equal(e[1], eager[0][1]) for e in eager)
