@@ -193,6 +193,8 @@ qsa_indexer_mqa_score = register(
 )
 qsa_mqa_prefill = qsa_mqa = register(
     "qsa_mqa_prefill", indexer.qsa_mqa_prefill, fake=lambda a: _fake_scores((a["q"].shape[0], a["k"].shape[0]), a["q"]))
+
+
 def _fake_decode(a):
     """The scores, or with topk the selection's block and token ids."""
     rows = a["q"].shape[0]

@@ -131,3 +131,10 @@ def test_graph_replay_uses_current_metadata_and_is_deterministic():
         assert torch.equal(blocks, rb) and torch.equal(tokens, rt)
     eager = [mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos) for _ in range(3)]
     assert all(torch.equal(e[0], eager[0][0]) and torch.equal(e[1], eager[0][1]) for e in eager)
+
+
+def test_rows_past_the_native_top_k_raise_before_the_indexer_runs():
+    q, cache, table, ctx, pos = problem(2, 64, 1024, integer=True)
+    with pytest.raises(ValueError, match="up to 49152 keys"):
+        mate.qsa_mqa_decode(q, cache, table, ctx, 49153, topk=8, query_positions=pos)
+    mate.qsa_mqa_decode(q, cache, table, ctx, 49153, topk=8, query_positions=pos, backend="reference")  # the reference has no limit

@@ -353,7 +353,7 @@ def qsa_mqa_decode(
     cache or of more than one element or on another device; TypeError for a k_scale that is neither a
     number nor a tensor, or a tensor that is not float32.
 
-    Fused selection: `topk=k` (1 <= k <= min(max_model_len, 2048)) with `query_positions` (int32 [B], each
+    Selection: `topk=k` (1 <= k <= min(max_model_len, 2048)) with `query_positions` (int32 [B], each
     request's position: its incomplete tail block's last token) returns (block_indices int32 [B, k],
     token_indices int32 [B, block_size * k + block_size - 1]), exactly
     `qsa_topk_tokens(qsa_mqa_decode(...), k, query_positions, block_size=block_size)` (the ids of each row's k
@@ -444,6 +444,8 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         C.unit_feature_stride("q", q)
         C.vector_layout("k_cache", k_cache)
         target = _dispatch.target_of(q, "q")
+        if topk is not None:
+            selection.topk_spec(batch, max_model_len, q.device)  # the top-k's native limit, before the indexer runs
     return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target, topk, query_positions, block_size)
 
 
