@@ -39,7 +39,7 @@ PAGE = 64  # tokens per page; 16 compressed keys per page of the index cache
 TOPK = 64
 
 
-def logits_of(backend, q_idx, index_cache, table, seq_lens, **selection):
+def indexer(backend, q_idx, index_cache, table, seq_lens, **selection):
     """The indexer's scores of every complete block (context: the visible compressed keys), or with `topk` their
     selection (block ids, token ids)."""
     return mate.qsa_mqa_decode(q_idx, index_cache, table, seq_lens // 4, table.shape[1] * (PAGE // 4), **selection, backend=backend)
@@ -48,7 +48,7 @@ def logits_of(backend, q_idx, index_cache, table, seq_lens, **selection):
 def step(backend, q_idx, index_cache, q, key, value, gate, table, seq_lens):
     """(token ids [B, W], attention output [B, 1, HQ, DIM]) of one decode step."""
     # the query row sits at seq_len - 1
-    blocks, tokens = logits_of(backend, q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)
+    blocks, tokens = indexer(backend, q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)
     out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_indices=blocks[:, None], block_table=table,
                                     seq_lens_k=seq_lens, gate=gate, backend=backend)
     return tokens, out
@@ -113,7 +113,7 @@ def main(argv=None):
 
     if backend == "reference":
         tokens, out = step(backend, *args)
-        logits = logits_of(backend, q_idx, index_cache, table, seq_lens)
+        logits = indexer(backend, q_idx, index_cache, table, seq_lens)
         print("  ran the step with backend='reference'; checked against a naive computation:")
         report("indexer logits", logits, naive_logits(q_idx, index_cache, table, seq_lens), "naive relu scores", 1e-5)
         report("selected token ids", tokens, naive_tokens(logits, seq_lens), "a naive sort", 0.0)
@@ -153,9 +153,9 @@ def main(argv=None):
     torch.cuda.synchronize()
     how = 'with torch.compile(mode="reduce-overhead")' if compiled else "in a CUDA graph"
     print(f"  captured the step {how} and replayed it for the next token ({[n + 1 for n in lens]} tokens)")
-    report("indexer logits (called alone)", logits_of(backend, q_idx, index_cache, table, seq_lens),
-           logits_of("reference", q_idx, index_cache, table, seq_lens), "backend='reference'", 1e-4)
-    ref_tokens = logits_of("reference", q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)[1]
+    report("indexer logits (called alone)", indexer(backend, q_idx, index_cache, table, seq_lens),
+           indexer("reference", q_idx, index_cache, table, seq_lens), "backend='reference'", 1e-4)
+    ref_tokens = indexer("reference", q_idx, index_cache, table, seq_lens, topk=TOPK, query_positions=seq_lens - 1)[1]
     report("selected token ids", tokens, ref_tokens, "backend='reference'", 0.0)
     ref_out = mate.qsa_sparse_attention(q, key, value, tokens[:, None], block_table=table, seq_lens_k=seq_lens, gate=gate,
                                         backend="reference")

@@ -168,7 +168,7 @@ def _resolve_score(q_idx, block_keys, *, block_table, page_size, cu_seqlens_q, t
             _debug.in_range("block_table", block_table, -1, keys.shape[0], f" (the pool holds {keys.shape[0]} pages)")
         _debug.lengths("seq_lens_q", seq_lens_q, rows, "rows")
 
-    target = None
+    target = select_spec = None
     if backend == "tilelang":
         if varlen:
             raise ValueError(
@@ -294,7 +294,7 @@ def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, backend)
             _debug.in_range(name, x, 0, k.shape[0] + 1, f" (k holds {k.shape[0]} keys)")
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     k2 = k.reshape(k.shape[0], k.shape[-1]) if k.dim() == 3 else k
-    target = None
+    target = select_spec = None
     if backend == "tilelang":
         _native_geometry("q", q)
         C.vector_layout("q", q)
@@ -392,6 +392,7 @@ class DecodeProblem(NamedTuple):
     topk: int | None
     query_positions: torch.Tensor | None
     block_size: int
+    select_spec: dict | None  # the top-k's specialization, with topk for backend='tilelang'
 
 
 def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale, *, scale, k_scale, topk, query_positions,
@@ -433,7 +434,7 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
     mult = C.score_multiplier(scale, score_scale, q.shape[-1])
     q3 = q.reshape(batch, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]) if k_cache.dim() == 4 else k_cache
-    target = None
+    target = select_spec = None
     if backend == "tilelang":
         _native_geometry("q", q)
         if cache.shape[1] not in DECODE_PAGE_SIZES:
@@ -445,8 +446,9 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         C.vector_layout("k_cache", k_cache)
         target = _dispatch.target_of(q, "q")
         if topk is not None:
-            selection.topk_spec(batch, max_model_len, q.device)  # the top-k's native limit, before the indexer runs
-    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target, topk, query_positions, block_size)
+            select_spec = selection.topk_spec(batch, max_model_len, q.device)  # its native limit, before the indexer runs
+    return DecodeProblem(backend, q3, cache, page_table, context_lens, max_model_len, mult, kv, target, topk, query_positions, block_size,
+                         select_spec)
 
 
 def _decode_native(p: DecodeProblem) -> torch.Tensor:
@@ -468,8 +470,7 @@ def _decode_native(p: DecodeProblem) -> torch.Tensor:
     return out
 
 
-
 def _decode_topk_native(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     # Two kernels, the scores through global memory: a one-kernel design (a cluster of CTAs a request, the leader
     # selecting from the peers' scores in shared memory) was slower on the H100 (docs/performance.md, QSA selection)
-    return selection.qsa_topk_tokens(_decode_native(p), p.topk, p.query_positions, block_size=p.block_size)
+    return selection.tokens_native(_decode_native(p), p.topk, p.query_positions, p.block_size, p.select_spec, p.target)

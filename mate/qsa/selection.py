@@ -148,6 +148,13 @@ def topk_spec(rows: int, keys: int, device: torch.device) -> dict:
     return {"max_keys": bucket, "wide": int(rows > _dispatch.sm_count(device))}
 
 
+def tokens_native(scores: torch.Tensor, k: int, query_positions: torch.Tensor, block_size: int, spec: dict,
+                  target: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """qsa_topk_tokens' native path on arguments its caller has checked (check_selection, topk_spec): the selection
+    of qsa_mqa_decode(topk=...), which checks once for both of its kernels."""
+    return _native(SelectProblem("tilelang", scores, k, query_positions, block_size, None, spec, target))
+
+
 def _native(p: SelectProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, dev = p.scores.shape[0], p.scores.device
     blocks = torch.empty(rows, p.k, dtype=torch.int32, device=dev) if p.out is None else p.out
