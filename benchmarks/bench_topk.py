@@ -1,7 +1,8 @@
 """QSA selection (issue 43): top-k of each row's FP32 block scores and the 4-token expansion, against torch.topk and
 a torch expansion on the same inputs.
 
-  python benchmarks/bench_topk.py [--rows 1 64 256 4096] [--keys 8192] [--k 512] [--sweep] [--step [BATCH ...]] [--out FILE]
+  python benchmarks/bench_topk.py [--rows 1 64 256 4096] [--keys 8192] [--k 512] [--sweep] [--step [BATCH ...]]
+                                  [--prefill [ROWS ...]] [--out FILE]
 
 Inputs: indexer-like scores (scale x a sum of 4 ReLUs, so exact zeros tie), every key visible and finite (torch.topk
 would take NaN as the largest), the row's position past the last key. Each mate result is checked bit for bit against the reference first. Times are
@@ -20,6 +21,10 @@ last position), 64-token pages in random pool order shared by the K/V cache (24 
 64 requests) and the indexer's cache (16 compressed keys a page, 4 heads of D 128), a per-element gate; top-k blocks
 of the indexer's scores (2051 token slots at k 512). mate's selection is checked bit for bit against the
 reference on the step's own scores, and its attention output against the one on the torch selection.
+--prefill [ROWS ...] times the indexer's prefill with its selection (issue 43's fused prefill): the last ROWS query rows of
+one request of --keys compressed keys (row r sees keys 0 .. keys - ROWS + r, causally; 4 heads of D 128, BF16),
+qsa_mqa_prefill alone, qsa_mqa_prefill(topk=k) and qsa_mqa_prefill then the torch selection; the selection is checked
+bit for bit against the reference on the call's own scores.
 --variants NAME=FILE ... times other versions of mate/qsa/kernels/topk.py (`-`: the shipped one; same program
 signatures; overrides.program_variants) in turn on the fused call, each checked (a probe that leaves out a
 phase is timed though wrong).
@@ -170,6 +175,39 @@ def step(batch, k):
     return dict(batch=batch, k=k, exact=exact, attention_rel_err_vs_torch_selection=err, us=us)
 
 
+def prefill(rows, keys, k, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, H_IDX, D_IDX, device="cuda", generator=gen).to(torch.bfloat16)
+    kk = torch.randn(keys, D_IDX, device="cuda", generator=gen).to(torch.bfloat16)
+    ends = torch.arange(keys - rows + 1, keys + 1, device="cuda", dtype=torch.int32)
+    starts = torch.zeros_like(ends)
+    positions = 4 * ends + 2  # each row's tail block holds 3 tokens
+
+    def indexer():
+        return mate.qsa_mqa_prefill(q, kk, starts, ends)
+
+    logits = indexer()
+    blocks, tokens = mate.qsa_mqa_prefill(q, kk, starts, ends, topk=k, query_positions=positions)
+    ref_blocks, ref_tokens = mate.qsa_topk_tokens(logits, k, positions, backend="reference")
+    exact = bool(torch.equal(blocks, ref_blocks) and torch.equal(tokens, ref_tokens))
+    us = {
+        "indexer": cold_graph_us(indexer),
+        "indexer + mate selection (topk=)": cold_graph_us(lambda: mate.qsa_mqa_prefill(q, kk, starts, ends, topk=k, query_positions=positions)),
+        "indexer + torch selection": cold_graph_us(lambda: torch_select(indexer(), k, positions)),
+    }
+    if not exact:
+        print(f"prefill rows {rows}: WRONG, the selection differs from the reference (timed anyway)", flush=True)
+    return dict(rows=rows, keys=keys, k=k, exact=exact, us=us)
+
+
+def prefill_markdown(result) -> str:
+    r0 = result["prefill"][0]
+    note = (f"the last rows of one request of {r0['keys']} compressed keys (causal), top-{r0['k']}; exact: the selection "
+            "bitwise equal to the reference on the call's own scores")
+    return "\n".join(_table(result, "QSA indexer prefill with its selection", note, result["prefill"], "rows", ["exact"],
+                            lambda r: ["yes" if r["exact"] else "NO"])) + "\n"
+
+
 def step_markdown(result) -> str:
     k = result["steps"][0]["k"]
     note = (f"requests of {STEP_TOKENS} tokens, top-{k} of {STEP_TOKENS // 4} blocks; exact: mate's selection bitwise equal to "
@@ -215,6 +253,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
     ap.add_argument("--step", type=int, nargs="*", default=None, metavar="BATCH", help="time the whole decode step at these batches")
+    ap.add_argument("--prefill", type=int, nargs="*", default=None, metavar="ROWS",
+                    help="time the indexer's prefill with its selection at these row counts")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>-topk.json; .md beside it)")
     args = ap.parse_args(argv)
     env = environment()
@@ -222,6 +262,16 @@ def main(argv=None):
     if args.variants:
         result["variants"] = compare(args.rows, args.keys, args.k, args.variants)
         write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-topk-variants.json", result)
+        return result
+    if args.prefill is not None:
+        result["prefill"] = []
+        for rows in args.prefill or [4096, 8192]:
+            result["prefill"].append(prefill(rows, args.keys, args.k))
+            print(f"prefill rows {rows}: " + ", ".join(f"{n} {us:.2f}" for n, us in result["prefill"][-1]["us"].items()) + " us",
+                  flush=True)
+        out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-qsa-prefill-topk.json", result)
+        out.with_suffix(".md").write_text(prefill_markdown(result))
+        print(prefill_markdown(result))
         return result
     if args.step is not None:
         result["steps"] = []

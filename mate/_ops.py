@@ -191,20 +191,24 @@ qsa_indexer_mqa_score = register(
         (*a["q_idx"].shape[:-2], a["block_keys"].shape[1] * (a["block_table"].shape[1] if a["block_table"] is not None else 1)),
         a["q_idx"]),
 )
+
+
+def _fake_selected(keys):
+    """The scores of `keys(a)` keys a row, or with topk the selection's block and token ids."""
+
+    def fake(a):
+        rows = a["q"].shape[0]
+        if a["topk"] is None:
+            return [_fake_scores((rows, keys(a)), a["q"])]
+        k, bs = a["topk"], a["block_size"]
+        return [a["q"].new_empty((rows, k), dtype=torch.int32), a["q"].new_empty((rows, bs * k + bs - 1), dtype=torch.int32)]
+
+    return fake
+
+
 qsa_mqa_prefill = qsa_mqa = register(
-    "qsa_mqa_prefill", indexer.qsa_mqa_prefill, fake=lambda a: _fake_scores((a["q"].shape[0], a["k"].shape[0]), a["q"]))
-
-
-def _fake_decode(a):
-    """The scores, or with topk the selection's block and token ids."""
-    rows = a["q"].shape[0]
-    if a["topk"] is None:
-        return [_fake_scores((rows, a["max_model_len"]), a["q"])]
-    k, bs = a["topk"], a["block_size"]
-    return [a["q"].new_empty((rows, k), dtype=torch.int32), a["q"].new_empty((rows, bs * k + bs - 1), dtype=torch.int32)]
-
-
-qsa_mqa_decode = register("qsa_mqa_decode", indexer.qsa_mqa_decode, fake=_fake_decode, listed=True)
+    "qsa_mqa_prefill", indexer.qsa_mqa_prefill, fake=_fake_selected(lambda a: a["k"].shape[0]), listed=True)
+qsa_mqa_decode = register("qsa_mqa_decode", indexer.qsa_mqa_decode, fake=_fake_selected(lambda a: a["max_model_len"]), listed=True)
 
 
 # ---------------------------------------------------------------- entrypoints with out / lse buffers

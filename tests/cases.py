@@ -82,6 +82,30 @@ def mqa_prefill(device, gen):
     return Problem(call, refresh, tol=1e-4)
 
 
+def mqa_prefill_topk(device, gen):
+    """The prefill selection (qsa_mqa_prefill(topk=...)): q and k small integers, scale 1/4, so the scores are
+    exact and the selection must be too; views at offsets, empty, inverted and past-the-end intervals, rows with
+    fewer visible keys than k."""
+    rows, keys, k = 37, 300, 64
+    q = randint(gen, -3, 4, (rows + 1, 4, 128), device).to(BF16)[1:]
+    keys_t = randint(gen, -3, 4, (keys + 1, 128), device).to(BF16)[1:]
+    starts = torch.zeros(rows, dtype=I32, device=device)
+    ends = torch.zeros(rows, dtype=I32, device=device)
+    pos = torch.zeros(rows, dtype=I32, device=device)
+
+    def refresh():
+        s = randint(gen, -4, keys, (rows,), device)
+        starts.copy_(s)
+        ends.copy_(s + randint(gen, -5, keys // 2 + 5, (rows,), device))
+        pos.copy_(4 * ends + randint(gen, -3, 4, (rows,), device))
+
+    def call(backend):
+        return mate.qsa_mqa_prefill(q, keys_t, starts, ends, scale=0.25, topk=k, query_positions=pos, backend=backend)
+
+    refresh()
+    return Problem(call, refresh, tol=0.0)
+
+
 def _mqa_decode(kv_dtype=None, q_dtype=BF16, tensor_scale=False):
     """Paged decode; kv_dtype an FP8 key cache (issue 38) with a float k_scale, or with tensor_scale a 0-dim
     FP32 tensor at a storage offset whose value refresh() rewrites in place, as a server does between replays."""
@@ -541,6 +565,7 @@ CASES = {
     "mqa_prefill": mqa_prefill,
     "mqa_decode": mqa_decode,
     "mqa_decode_topk": mqa_decode_topk,
+    "mqa_prefill_topk": mqa_prefill_topk,
     "mqa_decode_fp8": _mqa_decode(torch.float8_e4m3fn),  # a float k_scale, BF16 q
     "mqa_decode_fp8_tensor_scale": _mqa_decode(torch.float8_e5m2, torch.float16, tensor_scale=True),
     "nsa_selection": nsa_selection,

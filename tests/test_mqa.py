@@ -120,6 +120,37 @@ def test_prefill(gen):
     assert mate.qsa_mqa is mate.qsa_mqa_prefill
 
 
+def test_prefill_topk_is_the_selection_of_the_scores(gen):
+    """topk= returns qsa_topk_tokens of the call's own scores: ids are columns of k, -1 where a row sees fewer
+    than k keys (empty and inverted intervals included)."""
+    rows, keys, d = 9, 24, 16
+    q, k = rand(gen, rows, H, d), rand(gen, keys, d)
+    starts = torch.tensor([0, 0, 5, 10, 3, 20, 0, 7, 12], dtype=torch.int32)
+    ends = torch.tensor([24, 1, 17, 10, 2, 24, 30, 19, 20], dtype=torch.int32)
+    pos = torch.randint(0, 4 * keys + 4, (rows,), generator=gen, dtype=torch.int32)
+    scores = mate.qsa_mqa_prefill(q, k, starts, ends, scale=0.25, backend="reference")
+    for kk, bs in ((5, 4), (13, 2), (24, 4)):
+        blocks, tokens = mate.qsa_mqa_prefill(q, k, starts, ends, scale=0.25, topk=kk, query_positions=pos, block_size=bs,
+                                              backend="reference")
+        want = mate.qsa_topk_tokens(scores, kk, pos, block_size=bs, backend="reference")
+        assert torch.equal(blocks, want[0]) and torch.equal(tokens, want[1])
+        assert (blocks[3] == -1).all() and (blocks[4] == -1).all()  # empty and inverted rows select nothing
+        assert ((blocks[2] >= 5) & (blocks[2] < 17)).sum() == min(kk, 12)  # row 2 sees keys 5 .. 16
+
+
+def test_prefill_topk_errors():
+    q, k, s, e, pos = bf16(2, H, D), bf16(16, D), i32(0, 0), i32(16, 8), i32(20, 30)
+    call = mate.qsa_mqa_prefill
+    raises(ValueError, "topk must be in", call, q, k, s, e, topk=0, query_positions=pos, backend="reference")
+    raises(ValueError, "topk must be in", call, q, k, s, e, topk=17, query_positions=pos, backend="reference")
+    raises(ValueError, "topk must be in", call, q, bf16(4096, D), s, e, topk=2049, query_positions=pos, backend="reference")
+    raises(TypeError, "topk must be an int", call, q, k, s, e, topk=2.0, query_positions=pos, backend="reference")
+    raises(TypeError, "query_positions", call, q, k, s, e, topk=4, backend="reference")
+    raises(ValueError, "query_positions", call, q, k, s, e, topk=4, query_positions=i32(1, 2, 3), backend="reference")
+    raises(ValueError, "query_positions is the selection", call, q, k, s, e, query_positions=pos, backend="reference")
+    raises(ValueError, "block_size", call, q, k, s, e, topk=4, query_positions=pos, block_size=0, backend="reference")
+
+
 @pytest.mark.parametrize("q_rank", [3, 4])
 def test_decode(gen, q_rank):
     B, ps, pages, d, L = 4, 4, 6, 16, 22

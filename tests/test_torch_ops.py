@@ -62,7 +62,7 @@ class RecordMateOps(TorchDispatchMode):
 # k_scale / v_scale (FP8 K/V) the same way.
 SCHEMAS = {
     "qsa_indexer_mqa_score": "mate::qsa_indexer_mqa_score(Tensor q_idx, Tensor block_keys, Tensor? block_table=None, SymInt? page_size=None, Tensor? cu_seqlens_q=None, Tensor? token_to_req=None, SymInt? num_requests=None, Tensor? query_positions=None, Tensor? seq_lens_q=None, SymInt block_size=4, float? scale=None, float? score_scale=None, str backend=\"tilelang\") -> Tensor",
-    "qsa_mqa_prefill": "mate::qsa_mqa_prefill(Tensor q, Tensor k, Tensor row_starts, Tensor row_ends, float? score_scale=None, *, float? scale=None, str backend=\"tilelang\") -> Tensor",
+    "qsa_mqa_prefill": "mate::qsa_mqa_prefill(Tensor q, Tensor k, Tensor row_starts, Tensor row_ends, float? score_scale=None, float? scale=None, SymInt? topk=None, Tensor? query_positions=None, SymInt block_size=4, str backend=\"tilelang\") -> Tensor[]",
     "qsa_mqa_decode": "mate::qsa_mqa_decode(Tensor q, Tensor k_cache, Tensor page_table, Tensor context_lens, SymInt max_model_len, float? score_scale=None, float? scale=None, Tensor? k_scale=None, float? k_scale_value=None, SymInt? topk=None, Tensor? query_positions=None, SymInt block_size=4, str backend=\"tilelang\") -> Tensor[]",
     "nsa_selection_attention": "mate::nsa_selection_attention(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor(a4!) out, Tensor(a5!) lse, SymInt block_size, Tensor? block_counts, Tensor? cu_seqlens, float? scale, str backend) -> ()",
     "nsa_selection_attention_train": "mate::nsa_selection_attention_train(Tensor q, Tensor k, Tensor v, Tensor block_indices, SymInt block_size, Tensor? block_counts, Tensor? cu_seqlens, float? scale, str backend) -> (Tensor, Tensor)",

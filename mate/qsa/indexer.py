@@ -234,6 +234,23 @@ def _score_reference(p: ScoreProblem) -> torch.Tensor:
     return out
 
 
+def _check_topk(topk, keys: int, rows: int, query_positions, block_size, what: str) -> int:
+    """The selection's checks (topk=, query_positions, block_size) of the prefill and decode calls; the block size."""
+    if topk is not None:
+        return selection.check_selection(topk, keys, rows, query_positions, block_size, True, name="topk", what=what)
+    if query_positions is not None:
+        raise ValueError("query_positions is the selection's (topk=...): without topk the call returns the scores")
+    return block_size
+
+
+def _reference_selection(scores: torch.Tensor, p):
+    """The reference's answer of a prefill or decode call: its scores, or with topk their selection."""
+    if p.topk is None:
+        return scores
+    blocks = reference.topk_blocks(scores, p.topk)
+    return blocks, reference.expand_blocks(blocks, p.query_positions, p.block_size)
+
+
 # ---------------------------------------------------------------- packed prefill
 
 
@@ -245,18 +262,34 @@ def qsa_mqa_prefill(
     score_scale: float | None = None,
     *,
     scale: float | None = None,
+    topk: int | None = None,
+    query_positions: torch.Tensor | None = None,
+    block_size: int = 4,
     backend: str = "tilelang",
-) -> torch.Tensor:
-    """Packed-prefill MQA logits: FP32 [rows, keys], -inf outside [row_starts, row_ends) of each row.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Packed-prefill MQA logits: FP32 [rows, keys], -inf outside [row_starts, row_ends) of each row; with
+    `topk`, the selection made from them instead.
 
     q [rows, heads, dim]; k [keys, dim] or [keys, 1, dim], shared by all rows;
     row_starts / row_ends int32 [rows]. score_scale divides scores, scale
     multiplies them (not both); the default is 1/sqrt(dim). Native: BF16/FP16,
     heads 4, dim 128, the vector-load layout rule on q and k.
+
+    Selection: `topk=k` (1 <= k <= min(keys, 2048)) with `query_positions` (int32 [rows], each row's position:
+    its incomplete tail block's last token) returns (block_indices int32 [rows, k], token_indices int32
+    [rows, block_size * k + block_size - 1]), exactly `qsa_topk_tokens(qsa_mqa_prefill(...), k, query_positions,
+    block_size=block_size)`: the ids are columns of k (with several requests packed into k, a row's ids count
+    from the first key of k, not of its request), -1 past a row's [row_starts, row_ends). Natively that is
+    today the indexer's kernel and the top-k's (the scores go through a temporary FP32 [rows, keys] in global
+    memory): the native limits of both hold (keys up to 49152).
     """
     problem = _resolve_prefill(**locals())  # first statement: locals() is exactly the parameters
     if problem.backend == "reference":
-        return reference.mqa_logits(problem.q, problem.k, problem.row_starts, problem.row_ends, problem.scale)
+        p = problem
+        return _reference_selection(reference.mqa_logits(p.q, p.k, p.row_starts, p.row_ends, p.scale), p)
+    if problem.topk is not None:
+        p = problem
+        return selection.tokens_native(_prefill_native(p), p.topk, p.query_positions, p.block_size, p.select_spec, p.target)
     return _prefill_native(problem)
 
 
@@ -270,10 +303,14 @@ class PrefillProblem(NamedTuple):
     row_ends: torch.Tensor
     scale: float
     target: str | None
+    topk: int | None
+    query_positions: torch.Tensor | None
+    block_size: int
+    select_spec: dict | None  # the top-k's specialization, with topk for backend='tilelang'
 
 
-def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, backend) -> PrefillProblem:
-    """Every check of qsa_mqa_prefill, in one order: inputs, row bounds, devices, the debug value
+def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, topk, query_positions, block_size, backend) -> PrefillProblem:
+    """Every check of qsa_mqa_prefill, in one order: inputs, row bounds, the selection, devices, the debug value
     checks, the scale, the native limits."""
     backend = _dispatch.backend(backend)
     C.tensor("q", q, ndim=3)
@@ -288,7 +325,8 @@ def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, backend)
     rows = q.shape[0]
     C.int32("row_starts", row_starts, shape=(rows,))
     C.int32("row_ends", row_ends, shape=(rows,))
-    C.same_device(q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+    block_size = _check_topk(topk, k.shape[0], rows, query_positions, block_size, "keys")
+    C.same_device(q=q, k=k, row_starts=row_starts, row_ends=row_ends, query_positions=query_positions)
     if _debug.enabled():
         for name, x in (("row_starts", row_starts), ("row_ends", row_ends)):
             _debug.in_range(name, x, 0, k.shape[0] + 1, f" (k holds {k.shape[0]} keys)")
@@ -300,7 +338,9 @@ def _resolve_prefill(q, k, row_starts, row_ends, score_scale, *, scale, backend)
         C.vector_layout("q", q)
         C.vector_layout("k", k)
         target = _dispatch.target_of(q, "q")
-    return PrefillProblem(backend, q, k2, row_starts, row_ends, mult, target)
+        if topk is not None:
+            select_spec = selection.topk_spec(rows, k.shape[0], q.device)  # its native limit, before the indexer runs
+    return PrefillProblem(backend, q, k2, row_starts, row_ends, mult, target, topk, query_positions, block_size, select_spec)
 
 
 def _prefill_native(p: PrefillProblem) -> torch.Tensor:
@@ -366,11 +406,7 @@ def qsa_mqa_decode(
     if problem.backend == "reference":
         p = problem
         cache = C.dequantized(p.cache, p.kv.k_value(p.cache)) if p.kv.fp8 else p.cache
-        scores = reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale)
-        if p.topk is None:
-            return scores
-        blocks = reference.topk_blocks(scores, p.topk)
-        return blocks, reference.expand_blocks(blocks, p.query_positions, p.block_size)
+        return _reference_selection(reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale), p)
     if problem.topk is not None:
         return _decode_topk_native(problem)
     return _decode_native(problem)
@@ -419,11 +455,7 @@ def _resolve_decode(q, k_cache, page_table, context_lens, max_model_len, score_s
         raise ValueError(f"page_table must have {batch} rows (one per request), got shape {tuple(page_table.shape)}")
     C.int32("context_lens", context_lens, shape=(batch,))
     max_model_len = C.positive_int("max_model_len", max_model_len)
-    if topk is not None:
-        block_size = selection.check_selection(topk, max_model_len, batch, query_positions, block_size, True, name="topk",
-                                               what="max_model_len")
-    elif query_positions is not None:
-        raise ValueError("query_positions is the selection's (topk=...): without topk the call returns the scores")
+    block_size = _check_topk(topk, max_model_len, batch, query_positions, block_size, "max_model_len")
     C.same_device(q=q, k_cache=k_cache, page_table=page_table, context_lens=context_lens, query_positions=query_positions)
     if _debug.enabled():
         pages = k_cache.shape[0]

@@ -1,4 +1,5 @@
-"""The decode selection, qsa_mqa_decode(topk=...), native vs reference on the GPU (run with `pytest -m gpu`).
+"""The indexer's selection, qsa_mqa_decode(topk=...) and qsa_mqa_prefill(topk=...), native vs reference on the GPU
+(run with `pytest -m gpu`).
 
 Exact where the scores are exact: integer-valued q and keys (|value| <= 3, 128 products) give integer dot
 products in FP32 whatever the summation order, so the native scores equal the reference's bit for bit and the
@@ -138,3 +139,88 @@ def test_rows_past_the_native_top_k_raise_before_the_indexer_runs():
     with pytest.raises(ValueError, match="up to 49152 keys"):
         mate.qsa_mqa_decode(q, cache, table, ctx, 49153, topk=8, query_positions=pos)
     mate.qsa_mqa_decode(q, cache, table, ctx, 49153, topk=8, query_positions=pos, backend="reference")  # the reference has no limit
+
+
+# ---------------------------------------------------------------- packed prefill
+
+
+def prefill_problem(rows, keys, *, dtype=torch.bfloat16, integer=False, seed=0, key_rank=2):
+    """Rows over one packed k: causal-like intervals ending anywhere, one empty, one inverted, one past the keys;
+    q and k as views at an offset."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def values(*shape):
+        if integer:
+            return torch.randint(-3, 4, shape, device="cuda", generator=gen).to(dtype)
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    q = values(rows + 1, H, D)[1:]
+    k = values(keys + 1, D)[1:]
+    if key_rank == 3:
+        k = k.unsqueeze(1)
+    ends = torch.randint(1, keys + 1, (rows,), device="cuda", dtype=torch.int32, generator=gen)
+    starts = (ends - torch.randint(0, keys + 1, (rows,), device="cuda", dtype=torch.int32, generator=gen)).clamp(min=0)
+    ends[0], starts[0] = keys, 0
+    if rows > 3:
+        starts[1], ends[1] = 5, 5  # empty
+        starts[2], ends[2] = 9, 3  # inverted
+        starts[3], ends[3] = keys - 3, keys + 40  # past the keys
+    pos = 4 * ends + torch.randint(-2, 4, (rows,), device="cuda", dtype=torch.int32, generator=gen)
+    return q, k, starts, ends, pos
+
+
+def prefill_selected_and_reference(q, k, starts, ends, kk, pos, **kw):
+    poison_allocator("cuda")
+    got = mate.qsa_mqa_prefill(q, k, starts, ends, topk=kk, query_positions=pos, **kw)
+    torch.cuda.synchronize()
+    ref = mate.qsa_mqa_prefill(q, k, starts, ends, topk=kk, query_positions=pos, **kw, backend="reference")
+    scores = mate.qsa_mqa_prefill(q, k, starts, ends, **kw, backend="reference")
+    return got, ref, scores
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows, keys, kk", [(1, 8192, 512), (300, 8192, 512), (64, 5000, 2048), (150, 20000, 100), (7, 300, 1),
+                                            (40, 49152, 64)])
+def test_prefill_exact_on_integer_scores(dtype, rows, keys, kk):
+    q, k, starts, ends, pos = prefill_problem(rows, keys, dtype=dtype, integer=True)
+    (blocks, tokens), (rb, rt), _ = prefill_selected_and_reference(q, k, starts, ends, kk, pos, scale=0.25)
+    assert torch.equal(blocks, rb)
+    assert torch.equal(tokens, rt)
+    if rows > 3:
+        assert (blocks[1:3] == -1).all()  # the empty and the inverted row select nothing
+
+
+@pytest.mark.parametrize("rows, keys, kk, key_rank", [(4096, 8192, 512, 2), (33, 3000, 700, 3)])
+def test_prefill_on_gaussian_scores(rows, keys, kk, key_rank):
+    q, k, starts, ends, pos = prefill_problem(rows, keys, key_rank=key_rank)
+    (blocks, tokens), (rb, _), scores = prefill_selected_and_reference(q, k, starts, ends, kk, pos, score_scale=0.7)
+    assert_same_selection_within(blocks, rb, scores)
+    assert torch.equal(tokens, mate.qsa_expand_blocks(blocks, pos, backend="reference"))
+
+
+def test_prefill_graph_replay_uses_current_metadata_and_is_deterministic():
+    rows, keys, kk = 200, 8192, 512
+    q, k, starts, ends, pos = prefill_problem(rows, keys, integer=True)
+    call = lambda: mate.qsa_mqa_prefill(q, k, starts, ends, scale=0.25, topk=kk, query_positions=pos, block_size=2)  # noqa: E731
+    call()  # compiles outside the capture
+    graph, (blocks, tokens) = capture_graph(call)
+    for seed in (1, 2):
+        _, _, s2, e2, p2 = prefill_problem(rows, keys, integer=True, seed=seed)
+        starts.copy_(s2)
+        ends.copy_(e2)
+        pos.copy_(p2)
+        blocks.fill_(-7)
+        tokens.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        rb, rt = mate.qsa_mqa_prefill(q, k, starts, ends, scale=0.25, topk=kk, query_positions=pos, block_size=2, backend="reference")
+        assert torch.equal(blocks, rb) and torch.equal(tokens, rt)
+    eager = [call() for _ in range(3)]
+    assert all(torch.equal(e[0], eager[0][0]) and torch.equal(e[1], eager[0][1]) for e in eager)
+
+
+def test_prefill_rows_past_the_native_top_k_raise_before_the_indexer_runs():
+    q, k, starts, ends, pos = prefill_problem(2, 49153, integer=True)
+    with pytest.raises(ValueError, match="up to 49152 keys"):
+        mate.qsa_mqa_prefill(q, k, starts, ends, topk=8, query_positions=pos)
+    mate.qsa_mqa_prefill(q, k, starts, ends, topk=8, query_positions=pos, backend="reference")  # the reference has no limit
