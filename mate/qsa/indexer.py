@@ -251,6 +251,15 @@ def _reference_selection(scores: torch.Tensor, p):
     return blocks, reference.expand_blocks(blocks, p.query_positions, p.block_size)
 
 
+def _native_selection(scores: torch.Tensor, p):
+    """The native answer of a prefill or decode call: its scores, or with topk the top-k kernel's selection of them.
+    Two kernels, the scores through global memory: a one-kernel decode (a cluster of CTAs a request, the leader
+    selecting from the peers' scores in shared memory) was slower on the H100 (docs/performance.md, QSA selection)."""
+    if p.topk is None:
+        return scores
+    return selection.tokens_native(scores, p.topk, p.query_positions, p.block_size, p.select_spec, p.target)
+
+
 # ---------------------------------------------------------------- packed prefill
 
 
@@ -283,14 +292,10 @@ def qsa_mqa_prefill(
     today the indexer's kernel and the top-k's (the scores go through a temporary FP32 [rows, keys] in global
     memory): the native limits of both hold (keys up to 49152).
     """
-    problem = _resolve_prefill(**locals())  # first statement: locals() is exactly the parameters
-    if problem.backend == "reference":
-        p = problem
+    p = _resolve_prefill(**locals())  # first statement: locals() is exactly the parameters
+    if p.backend == "reference":
         return _reference_selection(reference.mqa_logits(p.q, p.k, p.row_starts, p.row_ends, p.scale), p)
-    if problem.topk is not None:
-        p = problem
-        return selection.tokens_native(_prefill_native(p), p.topk, p.query_positions, p.block_size, p.select_spec, p.target)
-    return _prefill_native(problem)
+    return _native_selection(_prefill_native(p), p)
 
 
 class PrefillProblem(NamedTuple):
@@ -402,14 +407,11 @@ def qsa_mqa_decode(
     kernel and the top-k's (the scores go through a temporary FP32 [B, max_model_len] in global memory): the
     native limits of both hold (max_model_len up to 49152).
     """
-    problem = _resolve_decode(**locals())  # first statement: locals() is exactly the parameters
-    if problem.backend == "reference":
-        p = problem
+    p = _resolve_decode(**locals())  # first statement: locals() is exactly the parameters
+    if p.backend == "reference":
         cache = C.dequantized(p.cache, p.kv.k_value(p.cache)) if p.kv.fp8 else p.cache
         return _reference_selection(reference.mqa_decode(p.q, cache, p.page_table, p.context_lens, p.max_model_len, p.scale), p)
-    if problem.topk is not None:
-        return _decode_topk_native(problem)
-    return _decode_native(problem)
+    return _native_selection(_decode_native(p), p)
 
 
 class DecodeProblem(NamedTuple):
@@ -500,9 +502,3 @@ def _decode_native(p: DecodeProblem) -> torch.Tensor:
     ks = p.kv.k_tensor if dev else _dispatch.Placeholders(p.q.device)(torch.float32, 1)
     kern(p.q, cache, p.page_table, p.context_lens, out, p.scale * p.kv.k, ks, int(dev))
     return out
-
-
-def _decode_topk_native(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    # Two kernels, the scores through global memory: a one-kernel design (a cluster of CTAs a request, the leader
-    # selecting from the peers' scores in shared memory) was slower on the H100 (docs/performance.md, QSA selection)
-    return selection.tokens_native(_decode_native(p), p.topk, p.query_positions, p.block_size, p.select_spec, p.target)
