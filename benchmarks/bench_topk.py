@@ -263,25 +263,22 @@ def main(argv=None):
         result["variants"] = compare(args.rows, args.keys, args.k, args.variants)
         write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-topk-variants.json", result)
         return result
+    def records(name, label, values, run, suffix, table):
+        """result[name]: run(v) for each value (printed as it ends), then the JSON and its markdown table."""
+        result[name] = []
+        for v in values:
+            result[name].append(run(v))
+            print(f"{label} {v}: " + ", ".join(f"{n} {us:.2f}" for n, us in result[name][-1]["us"].items()) + " us", flush=True)
+        out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-{suffix}.json", result)
+        out.with_suffix(".md").write_text(table(result))
+        print(table(result))
+        return result
+
     if args.prefill is not None:
-        result["prefill"] = []
-        for rows in args.prefill or [4096, 8192]:
-            result["prefill"].append(prefill(rows, args.keys, args.k))
-            print(f"prefill rows {rows}: " + ", ".join(f"{n} {us:.2f}" for n, us in result["prefill"][-1]["us"].items()) + " us",
-                  flush=True)
-        out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-qsa-prefill-topk.json", result)
-        out.with_suffix(".md").write_text(prefill_markdown(result))
-        print(prefill_markdown(result))
-        return result
+        return records("prefill", "prefill rows", args.prefill or [4096, 8192], lambda r: prefill(r, args.keys, args.k),
+                       "qsa-prefill-topk", prefill_markdown)
     if args.step is not None:
-        result["steps"] = []
-        for batch in args.step or [1, 64]:
-            result["steps"].append(step(batch, args.k))
-            print(f"batch {batch}: " + ", ".join(f"{n} {us:.2f}" for n, us in result["steps"][-1]["us"].items()) + " us", flush=True)
-        out = write_json(args.out or RESULTS / f"{env['gpu'].replace(' ', '_')}-{datetime.date.today()}-qsa-step.json", result)
-        out.with_suffix(".md").write_text(step_markdown(result))
-        print(step_markdown(result))
-        return result
+        return records("steps", "batch", args.step or [1, 64], lambda b: step(b, args.k), "qsa-step", step_markdown)
     for rows in args.rows:
         r, scores, pos = case(rows, args.keys, args.k)
         result["rows"].append(r)
