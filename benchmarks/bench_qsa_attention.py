@@ -36,16 +36,14 @@ element for FP8, in `fp8_gbytes`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 
 import torch
 from common import RESULTS, SERVING_D, SERVING_HKV, cold_graph_us, environment, qsa_serving_problem, write_json
-from overrides import program_variants, qsa_family, stage_card
+from overrides import program_variants, qsa_family, qsa_warp_tiles, stage_card
 
 import mate
-from mate.tuning.measure import using_tiles
 
 REPORT = dict(stage="qsa_attention", quick=["--cases", "decode1", "decode64", "--no-hbm-pools"], full=[])
 
@@ -162,9 +160,7 @@ def sweep(p, ref, pairs) -> dict:
         tiles = dict(block_n=bn, num_stages=ns)
         if card.limits({"dtype": "bfloat16", "split": 1}, tiles):
             continue
-        with contextlib.ExitStack() as stack:
-            for split in (0, 1):  # nested: the second patches the first's config
-                stack.enter_context(using_tiles("sm90", card.name, f"dtype=bfloat16,split={split}", tiles))
+        with qsa_warp_tiles(tiles):
             width = p["token_indices"].shape[-1]
             for s in sorted({None, 1, 2, 4, 8, 16, 33, -(-width // bn)}, key=lambda x: (x is not None, x or 0)):
                 if s is not None and s > -(-width // bn):

@@ -58,6 +58,25 @@ def qsa_family(name: str | None):
         attention.family = real
 
 
+@contextlib.contextmanager
+def qsa_warp_tiles(tiles: dict, dtype: str = "bfloat16", target: str = "sm90"):
+    """qsa_sparse_attention's small-CTA family at `tiles` (block_n, num_stages) for both of its split keys."""
+    from mate.tuning.measure import using_tiles
+
+    with contextlib.ExitStack() as stack:
+        for split in (0, 1):  # nested: the second patches the first's config
+            stack.enter_context(using_tiles(target, "qsa_attention_warp", f"dtype={dtype},split={split}", tiles))
+        yield
+
+
+def qsa_splits_run(tiles: int, num_splits: int) -> tuple[int, int]:
+    """(tiles a split, splits) of a qsa_sparse_attention call asking for num_splits over `tiles` key tiles (no split
+    left empty: mate.qsa.attention.split_tiles)."""
+    from mate.qsa import attention
+
+    return attention.split_tiles(tiles, num_splits)
+
+
 def stage_card(stage: str):
     """The dispatcher's card of `stage` (its search space and limits)."""
     return _dispatch.STAGES[stage]

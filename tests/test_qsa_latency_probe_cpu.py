@@ -15,4 +15,3 @@ def test_every_probe_point_lands_once_in_the_shipped_program():
     ast.parse(src)
     for point in range(len(qsa_latency_probe.POINTS)):
         assert src.count(f"lane, {point}, R, HKV)") == 1, point
-

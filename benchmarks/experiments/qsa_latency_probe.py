@@ -33,7 +33,6 @@ device call can carry the cache.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import statistics
 import sys
@@ -44,10 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import RESULTS, cold_graph_us, environment, qsa_serving_problem, write_json  # noqa: E402
-from overrides import compile_kernels, program_variants, qsa_family, stage_card  # noqa: E402
+from overrides import compile_kernels, program_variants, qsa_family, qsa_splits_run, qsa_warp_tiles  # noqa: E402
 
 import mate  # noqa: E402
-from mate.tuning.measure import using_tiles  # noqa: E402
 
 POINTS = ("entry", "metadata", "pages", "first tile", "first math", "last math", "end")
 SHIPPED = Path(__file__).resolve().parents[2] / "mate" / "qsa" / "kernels" / "sparse_warp.py"
@@ -102,15 +100,6 @@ def probe_source() -> str:
         assert src.count(anchor) == 1, f"probe anchor not found once in sparse_warp.py: {anchor.strip()!r}"
         src = src.replace(anchor, anchor + extra)
     return src
-
-
-@contextlib.contextmanager
-def tiles_of(bn: int, ns: int):
-    card = stage_card("qsa_attention_warp")
-    with contextlib.ExitStack() as stack:
-        for split in (0, 1):  # nested: the second patches the first's config
-            stack.enter_context(using_tiles("sm90", card.name, f"dtype=bfloat16,split={split}", dict(block_n=bn, num_stages=ns)))
-        yield
 
 
 def padded_gate(gate: torch.Tensor, ctas: int) -> torch.Tensor:
@@ -188,14 +177,14 @@ def main(argv=None):
                 gate = p["gate"].float().cuda()
                 p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t[0] for t in tiles)))
                 for bn, ns in tiles:
-                    with tiles_of(bn, ns), qsa_family("warp"):
+                    with qsa_warp_tiles(dict(block_n=bn, num_stages=ns)), qsa_family("warp"):
                         tiles_total = -(-width // bn)
                         for s in args.splits:
                             if s > tiles_total:
                                 continue
-                            per = -(-tiles_total // s)  # the splits a call asking for s runs (none empty)
+                            per, splits = qsa_splits_run(tiles_total, s)
                             use("probe")
-                            r = probe_case(p, s, -(-tiles_total // per), args.trials)
+                            r = probe_case(p, s, splits, args.trials)
                             use("shipped")
                             p["gate"].copy_(gate)  # the probe's timestamps overwrote it
                             r["cold_graph_us"] = cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s))
