@@ -19,17 +19,24 @@ pytestmark = pytest.mark.gpu
 H, D = 4, 128
 
 
+def value_maker(gen, dtype, integer):
+    """Tensors of small integers (exact scores) or Gaussians, in dtype, from gen."""
+
+    def values(*shape):
+        if integer:
+            return torch.randint(-3, 4, shape, device="cuda", generator=gen).to(dtype)
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    return values
+
+
 def problem(B, page_size, L, *, dtype=torch.bfloat16, integer=False, seed=0, poison_unused=True):
     """B requests over one shuffled pool of pages (unused pages NaN), contexts of 0 .. past the table, a hole and a
     page past the pool in the tables."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     max_pages = -(-L // page_size)
     pages = B * max_pages + 3
-
-    def values(*shape):
-        if integer:
-            return torch.randint(-3, 4, shape, device="cuda", generator=gen).to(dtype)
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    values = value_maker(gen, dtype, integer)
 
     q = values(B, H, D)
     cache = values(pages, page_size, 1, D)
@@ -52,12 +59,13 @@ def problem(B, page_size, L, *, dtype=torch.bfloat16, integer=False, seed=0, poi
     return q, cache, table, ctx, pos
 
 
-def selected_and_reference(q, cache, table, ctx, L, k, pos, **kw):
+def selected_and_reference(entry, args, k, pos, **kw):
+    """entry(*args, topk=k, ...) native (the allocator poisoned first) and by the reference, and the reference's scores."""
     poison_allocator("cuda")
-    got = mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos, **kw)
+    got = entry(*args, topk=k, query_positions=pos, **kw)
     torch.cuda.synchronize()
-    ref = mate.qsa_mqa_decode(q, cache, table, ctx, L, topk=k, query_positions=pos, **kw, backend="reference")
-    scores = mate.qsa_mqa_decode(q, cache, table, ctx, L, **kw, backend="reference")
+    ref = entry(*args, topk=k, query_positions=pos, **kw, backend="reference")
+    scores = entry(*args, **kw, backend="reference")
     return got, ref, scores
 
 
@@ -79,7 +87,7 @@ def assert_same_selection_within(got, ref, scores, rtol=1e-4):
 @pytest.mark.parametrize("B, L, k", [(1, 8192, 512), (5, 8192, 2048), (7, 5000, 100), (3, 300, 1), (64, 8192, 512), (150, 2049, 33)])
 def test_exact_on_integer_scores(dtype, page_size, B, L, k):
     q, cache, table, ctx, pos = problem(B, page_size, L, dtype=dtype, integer=True)
-    (blocks, tokens), (rb, rt), _ = selected_and_reference(q, cache, table, ctx, L, k, pos, scale=0.25)
+    (blocks, tokens), (rb, rt), _ = selected_and_reference(mate.qsa_mqa_decode, (q, cache, table, ctx, L), k, pos, scale=0.25)
     assert torch.equal(blocks, rb)
     assert torch.equal(tokens, rt)
 
@@ -87,7 +95,7 @@ def test_exact_on_integer_scores(dtype, page_size, B, L, k):
 @pytest.mark.parametrize("B, L, k, page_size", [(1, 8192, 512, 16), (64, 8192, 512, 16), (9, 6000, 2048, 64), (4, 100, 50, 8)])
 def test_on_gaussian_scores(B, L, k, page_size):
     q, cache, table, ctx, pos = problem(B, page_size, L)
-    (blocks, tokens), (rb, _), scores = selected_and_reference(q, cache, table, ctx, L, k, pos, score_scale=0.7)
+    (blocks, tokens), (rb, _), scores = selected_and_reference(mate.qsa_mqa_decode, (q, cache, table, ctx, L), k, pos, score_scale=0.7)
     assert_same_selection_within(blocks, rb, scores)
     assert torch.equal(tokens, mate.qsa_expand_blocks(blocks, pos, backend="reference"))
 
@@ -106,7 +114,8 @@ def test_other_paths(case):
     if case == "broadcast_q_block_size_2":
         q = q[:1].expand_as(q)
         bs = 2
-    (blocks, tokens), (rb, rt), _ = selected_and_reference(q, cache, table, ctx, L, 300, pos, block_size=bs, scale=0.25, **kw)
+    args = (q, cache, table, ctx, L)
+    (blocks, tokens), (rb, rt), _ = selected_and_reference(mate.qsa_mqa_decode, args, 300, pos, block_size=bs, scale=0.25, **kw)
     assert torch.equal(blocks, rb)
     assert torch.equal(tokens, rt)
     if case == "empty_pool":
@@ -148,12 +157,7 @@ def prefill_problem(rows, keys, *, dtype=torch.bfloat16, integer=False, seed=0, 
     """Rows over one packed k: causal-like intervals ending anywhere, one empty, one inverted, one past the keys;
     q and k as views at an offset."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def values(*shape):
-        if integer:
-            return torch.randint(-3, 4, shape, device="cuda", generator=gen).to(dtype)
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
-
+    values = value_maker(gen, dtype, integer)
     q = values(rows + 1, H, D)[1:]
     k = values(keys + 1, D)[1:]
     if key_rank == 3:
@@ -169,21 +173,12 @@ def prefill_problem(rows, keys, *, dtype=torch.bfloat16, integer=False, seed=0, 
     return q, k, starts, ends, pos
 
 
-def prefill_selected_and_reference(q, k, starts, ends, kk, pos, **kw):
-    poison_allocator("cuda")
-    got = mate.qsa_mqa_prefill(q, k, starts, ends, topk=kk, query_positions=pos, **kw)
-    torch.cuda.synchronize()
-    ref = mate.qsa_mqa_prefill(q, k, starts, ends, topk=kk, query_positions=pos, **kw, backend="reference")
-    scores = mate.qsa_mqa_prefill(q, k, starts, ends, **kw, backend="reference")
-    return got, ref, scores
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows, keys, kk", [(1, 8192, 512), (300, 8192, 512), (64, 5000, 2048), (150, 20000, 100), (7, 300, 1),
                                             (40, 49152, 64)])
 def test_prefill_exact_on_integer_scores(dtype, rows, keys, kk):
     q, k, starts, ends, pos = prefill_problem(rows, keys, dtype=dtype, integer=True)
-    (blocks, tokens), (rb, rt), _ = prefill_selected_and_reference(q, k, starts, ends, kk, pos, scale=0.25)
+    (blocks, tokens), (rb, rt), _ = selected_and_reference(mate.qsa_mqa_prefill, (q, k, starts, ends), kk, pos, scale=0.25)
     assert torch.equal(blocks, rb)
     assert torch.equal(tokens, rt)
     if rows > 3:
@@ -193,7 +188,7 @@ def test_prefill_exact_on_integer_scores(dtype, rows, keys, kk):
 @pytest.mark.parametrize("rows, keys, kk, key_rank", [(4096, 8192, 512, 2), (33, 3000, 700, 3)])
 def test_prefill_on_gaussian_scores(rows, keys, kk, key_rank):
     q, k, starts, ends, pos = prefill_problem(rows, keys, key_rank=key_rank)
-    (blocks, tokens), (rb, _), scores = prefill_selected_and_reference(q, k, starts, ends, kk, pos, score_scale=0.7)
+    (blocks, tokens), (rb, _), scores = selected_and_reference(mate.qsa_mqa_prefill, (q, k, starts, ends), kk, pos, score_scale=0.7)
     assert_same_selection_within(blocks, rb, scores)
     assert torch.equal(tokens, mate.qsa_expand_blocks(blocks, pos, backend="reference"))
 
