@@ -63,6 +63,13 @@ def mqa_score(device, gen):
     return Problem(call, refresh, tol=1e-4)
 
 
+def _prefill_intervals(gen, starts, ends, keys, device):
+    """New [start, end) rows in place: empty, inverted and past-the-end intervals among them."""
+    s = randint(gen, -4, keys, starts.shape, device)
+    starts.copy_(s)
+    ends.copy_(s + randint(gen, -5, keys // 2 + 5, starts.shape, device))
+
+
 def mqa_prefill(device, gen):
     rows, keys = 53, 75
     q = tail_view(gen, (rows, 4, 128), device=device)
@@ -71,9 +78,7 @@ def mqa_prefill(device, gen):
     starts, ends = meta[1::2], meta[:-1:2]  # strided metadata at an offset
 
     def refresh():
-        s = randint(gen, -4, keys, (rows,), device)
-        starts.copy_(s)
-        ends.copy_(s + randint(gen, -5, keys // 2 + 5, (rows,), device))  # empty, inverted and past-the-end intervals
+        _prefill_intervals(gen, starts, ends, keys, device)
 
     def call(backend):
         return (mate.qsa_mqa_prefill(q, k, starts, ends, backend=backend),)
@@ -94,9 +99,7 @@ def mqa_prefill_topk(device, gen):
     pos = torch.zeros(rows, dtype=I32, device=device)
 
     def refresh():
-        s = randint(gen, -4, keys, (rows,), device)
-        starts.copy_(s)
-        ends.copy_(s + randint(gen, -5, keys // 2 + 5, (rows,), device))
+        _prefill_intervals(gen, starts, ends, keys, device)
         pos.copy_(4 * ends + randint(gen, -3, 4, (rows,), device))
 
     def call(backend):
