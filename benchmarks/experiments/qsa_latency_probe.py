@@ -172,7 +172,7 @@ def main(argv=None):
             result = dict(environment(), cases=[])
             gen = torch.Generator().manual_seed(0)
             for rows in args.rows:
-                p = qsa_serving_problem(gen, rows, 1, gate="element")
+                p, _ = qsa_serving_problem(gen, rows, 1, gate="element")
                 width = p["token_indices"].shape[-1]
                 gate = p["gate"].float().cuda()
                 p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t[0] for t in tiles)))
