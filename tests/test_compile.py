@@ -86,3 +86,18 @@ def test_fp8_variants_compile(built_fp8, stage, key, kv):
     else:
         assert f"__tl_cvt_fp8x2_to_half2(" in source and f", {nv})" in source
     assert mma in source and "const float* __restrict__ KS" in source
+
+
+# The small-CTA program with several warps a tile (sparse_attention_warp's `warps`, not a config key yet):
+# it must keep lowering, with the tile's tokens and output split over the warps and P through shared memory.
+WARPS_JOBS = [("qsa_attention_warp", f"dtype=bfloat16,split={split}", dict(block_n=64, num_stages=2, warps=4), False)
+              for split in (0, 1)]
+
+
+@pytest.mark.parametrize("job", WARPS_JOBS, ids=[j[1] for j in WARPS_JOBS])
+def test_small_cta_program_with_four_warps_lowers(job):
+    [(_, (source, error))] = list(precompile.build_all([job], "sm90", 1))
+    assert error is None, error
+    assert "__launch_bounds__(128, 1)" in source and "tl::mma_sync" in source
+    # the softmax's row max across the four warps (through shared memory), and P read back by ldmatrix
+    assert "tl::AllReduce<tl::MaxOp, 128, 32" in source and "((bfloat16_t*)Pr)" in source

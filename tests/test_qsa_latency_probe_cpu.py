@@ -14,4 +14,4 @@ def test_every_probe_point_lands_once_in_the_shipped_program():
     src = qsa_latency_probe.probe_source()
     ast.parse(src)
     for point in range(len(qsa_latency_probe.POINTS)):
-        assert src.count(f"lane, {point}, R, HKV)") == 1, point
+        assert src.count(f"tx, {point}, R, HKV)") == 1, point

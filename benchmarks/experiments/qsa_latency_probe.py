@@ -1,9 +1,9 @@
 """Where does one CTA of QSA sparse attention's small-CTA program spend its time at decode (issue 37: rows 1 and 8)?
 
-  python benchmarks/experiments/qsa_latency_probe.py [--rows 1 8] [--tiles 16/2 16/5 32/3] [--splits 33 65 129]
+  python benchmarks/experiments/qsa_latency_probe.py [--rows 1 8] [--tiles 16/2 16/5 32/3 64/2/4] [--splits 33 65 129]
                                                      [--trials 20] [--compile-only] [--out FILE]
 
-The shipped program (mate/qsa/kernels/sparse_warp.py) rebuilt with timestamps: lane 0 of every CTA reads
+The shipped program (mate/qsa/kernels/sparse_warp.py) rebuilt with timestamps: thread 0 of every CTA reads
 %globaltimer (ns, one clock for the GPU) and %clock64 (its SM's cycles) at seven points and stores them, so the
 call's output is wrong and only the times count. The points (the program is rewritten from the shipped source
 at fixed anchors, so it follows every change; an anchor that moved is an error):
@@ -64,8 +64,8 @@ __device__ __forceinline__ void mate_probe(float* base, long long slot) {
 
 
 @T.macro
-def _probe(G, row, kvh, sp, lane, point, R, HKV):
-    if lane == 0:
+def _probe(G, row, kvh, sp, tx, point, R, HKV):
+    if tx == 0:
         T.evaluate(T.call_extern("handle", "mate_probe", T.address_of(G[0, 0, 0]),
                                  T.Cast("int64", (sp * HKV + kvh) * R + row) * 7 + point))
 '''
@@ -74,19 +74,19 @@ def _probe(G, row, kvh, sp, lane, point, R, HKV):
 EDITS = (
     ("    sources = FENCE_SOURCE + SPLIT_SOURCE if split else FENCE_SOURCE\n",
      "    sources = sources + PROBE_SOURCE\n"),
-    ("            lane = T.get_thread_binding()\n",
-     "            _probe(G, row, kvh, sp, lane, 0, R, HKV)\n"),
+    ("            tx = T.get_thread_binding()\n",
+     "            _probe(G, row, kvh, sp, tx, 0, R, HKV)\n"),
     ("            n_tiles = T.ceildiv(T.max(last - first, 0), block_n)\n",
-     "            _probe(G, row, kvh, sp, lane, 1, R, HKV)\n"),
-    ("                        _publish(ko, vo, pg, sl, c, lane, kvh, P, strides, vec)\n",
-     "                        if c == 0:\n                            _probe(G, row, kvh, sp, lane, 2, R, HKV)\n"),
+     "            _probe(G, row, kvh, sp, tx, 1, R, HKV)\n"),
+    ("                        _publish(ko, vo, pg, sl, c, tx, kvh, P, strides, vec, threads)\n",
+     "                        if c == 0:\n                            _probe(G, row, kvh, sp, tx, 2, R, HKV)\n"),
     ("                    st = (i - num_stages + 1) % num_stages\n",
-     "                    if i == num_stages - 1:\n                        _probe(G, row, kvh, sp, lane, 3, R, HKV)\n"),
-    ("                            i - num_stages + 1, scale_log2, block_n)\n",
-     "                    if i == num_stages - 1:\n                        _probe(G, row, kvh, sp, lane, 4, R, HKV)\n"
-     "                    if i == n_tiles + num_stages - 2:\n                        _probe(G, row, kvh, sp, lane, 5, R, HKV)\n"),
+     "                    if i == num_stages - 1:\n                        _probe(G, row, kvh, sp, tx, 3, R, HKV)\n"),
+    ("                            i - num_stages + 1, scale_log2, block_n, warps)\n",
+     "                    if i == num_stages - 1:\n                        _probe(G, row, kvh, sp, tx, 4, R, HKV)\n"
+     "                    if i == n_tiles + num_stages - 2:\n                        _probe(G, row, kvh, sp, tx, 5, R, HKV)\n"),
     ("            _finish(O, LSE, G, GH, acc, rowsum, l_sum, alpha, m_cur, row, sp, h0, group, qk_scale, norm, flags, split)\n",
-     "            _probe(G, row, kvh, sp, lane, 6, R, HKV)\n"),
+     "            _probe(G, row, kvh, sp, tx, 6, R, HKV)\n"),
 )
 
 
@@ -149,13 +149,14 @@ def probe_case(p, asked: int, splits: int, trials: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
-    ap.add_argument("--tiles", nargs="*", default=["16/2", "16/5", "32/3"], metavar="BLOCK_N/STAGES")
+    ap.add_argument("--tiles", nargs="*", default=["16/2", "16/5", "32/3"], metavar="BLOCK_N/STAGES[/WARPS]",
+                    help="WARPS: the program's warps a tile (sparse_attention_warp's `warps`, default 1)")
     ap.add_argument("--splits", type=int, nargs="*", default=[16, 33, 65, 129])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    tiles = [tuple(map(int, t.split("/"))) for t in args.tiles]
+    tiles = [dict(zip(("block_n", "num_stages", "warps"), map(int, t.split("/")))) for t in args.tiles]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "sparse_warp_probe.py"
         src.write_text(probe_source())
@@ -164,8 +165,7 @@ def main(argv=None):
             if args.compile_only:
                 for version in ("probe", "shipped"):
                     use(version)  # in this process: the pool's workers would not see the probe's card
-                    jobs = [("qsa_attention_warp", f"dtype=bfloat16,split={split}", dict(block_n=bn, num_stages=ns), True)
-                            for bn, ns in tiles for split in (0, 1)]
+                    jobs = [("qsa_attention_warp", f"dtype=bfloat16,split={split}", t, True) for t in tiles for split in (0, 1)]
                     for job, (_, err) in compile_kernels(jobs, 1):
                         print(f"{version} {job[2]} {job[1]}: {err or 'compiled'}", flush=True)
                 return None
@@ -175,9 +175,10 @@ def main(argv=None):
                 p, _ = qsa_serving_problem(gen, rows, 1, gate="element")
                 width = p["token_indices"].shape[-1]
                 gate = p["gate"].float().cuda()
-                p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t[0] for t in tiles)))
-                for bn, ns in tiles:
-                    with qsa_warp_tiles(dict(block_n=bn, num_stages=ns)), qsa_family("warp"):
+                p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t["block_n"] for t in tiles)))
+                for t in tiles:
+                    bn, ns, label = t["block_n"], t["num_stages"], "/".join(map(str, t.values()))
+                    with qsa_warp_tiles(t), qsa_family("warp"):
                         tiles_total = -(-width // bn)
                         for s in args.splits:
                             if s > tiles_total:
@@ -188,11 +189,11 @@ def main(argv=None):
                             use("shipped")
                             p["gate"].copy_(gate)  # the probe's timestamps overwrote it
                             r["cold_graph_us"] = cold_graph_us(lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s))
-                            r.update(rows=rows, block_n=bn, num_stages=ns, tiles_per_split=per)
+                            r.update(rows=rows, block_n=bn, num_stages=ns, warps=t.get("warps", 1), tiles_per_split=per)
                             result["cases"].append(r)
                             ph = r["phase_ns"]
                             per_tile = (ph["last math"] - ph["first math"]) / max(r["tiles_per_split"] - 1, 1)
-                            print(f"rows {rows} {bn}/{ns} splits {s} ({r['ctas']} CTAs): " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items())
+                            print(f"rows {rows} {label} splits {s} ({r['ctas']} CTAs): " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items())
                                   + f" ns; per tile {per_tile:.0f} ns; entry skew {r['entry_skew_ns']:.0f}, end spread "
                                   f"{r['end_spread_ns']:.0f}, launch span {r['launch_span_ns']:.0f} ns; "
                                   f"cold graph {r['cold_graph_us']:.1f} us", flush=True)

@@ -63,10 +63,12 @@ def warp_attention_smem(spec: dict, t: dict, kv_dtype: str | None = None) -> int
     """Shared memory of one small-CTA program (mate.qsa.kernels.sparse_warp): the Q tile, the K/V ring, two
     decoded chunks' K and V row offsets (int32), two counts and TileLang's 1 KB of static reduction scratch
     (ptxas: 3072 bytes of static shared memory beside the dynamic Q tile and ring). kv_dtype, an FP8 cache's:
-    the ring holds it, and a K and a V FP16 tile beside it take the upcast."""
+    the ring holds it, and a K and a V FP16 tile beside it take the upcast. With several warps a tile (the
+    program's `warps`, not a config key), P goes through a shared tile."""
     bn, ns, es = t["block_n"], t["num_stages"], itemsize(spec["dtype"])
     ring = 2 * ns * bn * DIM * es if kv_dtype is None else 2 * ns * bn * DIM * itemsize(kv_dtype) + 2 * bn * DIM * es
-    return es * WARP_HEADS * DIM + ring + 2 * 2 * WARP_CHUNK * 4 + 1024
+    p_tile = WARP_HEADS * bn * es if t.get("warps", 1) > 1 else 0
+    return es * WARP_HEADS * DIM + ring + p_tile + 2 * 2 * WARP_CHUNK * 4 + 1024
 
 
 WARP_CHUNK = 128  # token slots the small-CTA program decodes at a time (mate.qsa.kernels.sparse_warp.CHUNK)

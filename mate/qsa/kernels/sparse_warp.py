@@ -35,24 +35,23 @@ from mate.qsa.kernels.sparse_card import WARP_HEADS as HEADS
 PASS_CONFIGS = (*_BASE_PASS_CONFIGS, ("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True))
 
 
-# Token slots decoded at a time, CHUNK // WARP a lane: a chunk's token-id loads, then its page loads, are in
+# Token slots decoded at a time, CHUNK // threads a thread: a chunk's token-id loads, then its page loads, are in
 # flight together, a chunk ahead of the gather that reads them.
 CHUNK = WARP_CHUNK
-PER_LANE = CHUNK // WARP
 
 
 @T.macro
-def _chunk_ids(TI, BI, tok, row, c, lane, first, last, block_slots: T.Ref, blocks, NB):
-    """The token ids of this lane's slots of chunk c (-1: none); the loads are consumed a chunk later."""
-    for j in T.unroll(PER_LANE):
-        token_id(TI, BI, tok, j, first + c * CHUNK + j * WARP + lane, row, last, block_slots, blocks, NB)
+def _chunk_ids(TI, BI, tok, row, c, tx, first, last, block_slots: T.Ref, blocks, NB, threads):
+    """The token ids of this thread's slots of chunk c (-1: none); the loads are consumed a chunk later."""
+    for j in T.unroll(CHUNK // threads):
+        token_id(TI, BI, tok, j, first + c * CHUNK + j * threads + tx, row, last, block_slots, blocks, NB)
 
 
 @T.macro
-def _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS):
-    """The page of each of this lane's token ids (its load goes out now, consumed a chunk later) and its slot,
+def _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS, threads):
+    """The page of each of this thread's token ids (its load goes out now, consumed a chunk later) and its slot,
     -1 for a token the row cannot see."""
-    for j in T.unroll(PER_LANE):
+    for j in T.unroll(CHUNK // threads):
         t = tok[j]
         # the page is loaded whether or not the token is visible, so that it waits only for the token id
         pg[j] = T.if_then_else(paged, T.if_then_else(live & (BT.shape[1] > 0), BT[bs, T.min(T.max(t, 0) // PS, BT.shape[1] - 1)], -1),
@@ -62,45 +61,49 @@ def _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS):
 
 
 @T.macro
-def _publish(ko, vo, pg, sl, c, lane, kvh, P, strides, vec):
+def _publish(ko, vo, pg, sl, c, tx, kvh, P, strides, vec, threads):
     """Chunk c's K and V row offsets into its half of the shared lists, in 16-byte units of `vec` elements (the
     strides are multiples of vec; int32: the wrapper runs this family only on K/V spans under 32 GiB), -1 for a
     masked token."""
     skp, sks, skh, svp, svs, svh = strides
-    for j in T.unroll(PER_LANE):
+    for j in T.unroll(CHUNK // threads):
         ok = (sl[j] >= 0) & (pg[j] >= 0) & (pg[j] < P)
-        ko[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * skp + sl[j] * sks + kvh * skh) // vec), -1)
-        vo[c % 2, j * WARP + lane] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * svp + sl[j] * svs + kvh * svh) // vec), -1)
+        ko[c % 2, j * threads + tx] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * skp + sl[j] * sks + kvh * skh) // vec), -1)
+        vo[c % 2, j * threads + tx] = T.if_then_else(ok, T.Cast("int32", (T.Cast("int64", pg[j]) * svp + sl[j] * svs + kvh * svh) // vec), -1)
 
 
-# A warp instruction of the gather covers ROWS rows, 8 lanes x 16 bytes (one 128-byte line) each, and a lane
+# A round of the gather covers threads / 8 rows, 8 threads x 16 bytes (one 128-byte line) each, and a thread
 # keeps its row for the row's lines (4 of BF16, 2 of FP8): it reads the row's offset once, and each copy is an immediate
 # offset from it. (One row per instruction, its (page, slot) re-read for every copy, took 23 instructions and
 # two dependent shared loads per 16-byte copy: nvcc reloads shared memory after every cp.async.)
-ROWS = WARP // 8
 
 
 @T.macro
-def _gather_rows(X, Xs, offsets, st, i, lane, block_n, vec):
+def _gather_rows(X, Xs, offsets, st, i, tx, block_n, vec, threads):
     """Tile i's rows of X into ring stage st by cp.async (16 bytes, `vec` elements, a copy), zero-filled for a
     masked token."""
-    for j in T.unroll(block_n // ROWS):
-        k = j * ROWS + lane // 8
+    rows = threads // 8
+    for j in T.unroll(block_n // rows):
+        k = j * rows + tx // 8
         off = offsets[i * block_n // CHUNK % 2, i * block_n % CHUNK + k]
         for line in T.unroll(DIM // (8 * vec)):
-            d = line * 8 * vec + lane % 8 * vec
+            d = line * 8 * vec + tx % 8 * vec
             # X[0, 0, 0, e] is element e of X's storage: the offset spans the row's page, slot and head
             T.ptx_cp_async(T.access_ptr(Xs[st, k, d], "w", vec), T.access_ptr(X[0, 0, 0, T.Cast("int64", T.max(off, 0)) * vec + d], "r", vec),
                            vec, predicate=off >= 0)
 
 
 @T.macro
-def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t, scale_log2, block_n):
-    """One tile: S = Q K^T, masked to -inf where the token is, online softmax, O = O * alpha + P V."""
+def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t, scale_log2, block_n, warps):
+    """One tile: S = Q K^T, masked to -inf where the token is, online softmax, O = O * alpha + P V.
+
+    Several warps share a tile: each takes block_n / warps of its tokens in QK and DIM / warps of the output in PV
+    (so P, whole, goes through shared memory: Pr is then a shared tile), the softmax's row reductions across them."""
+    policy = T.GemmWarpPolicy.FullCol
     # the D reduction as two independent MMA chains of DIM / 32 steps, not one of DIM / 16: the tensor core's
     # dependent-accumulate latency is paid half as often (H200 prefill 2493 -> 2426 us; 4 chains 2478)
-    T.gemm(Qs[:, 0:DIM // 2], Ks[st, :, 0:DIM // 2], S, transpose_B=True, clear_accum=True)
-    T.gemm(Qs[:, DIM // 2:DIM], Ks[st, :, DIM // 2:DIM], S1, transpose_B=True, clear_accum=True)
+    T.gemm(Qs[:, 0:DIM // 2], Ks[st, :, 0:DIM // 2], S, transpose_B=True, clear_accum=True, policy=policy)
+    T.gemm(Qs[:, DIM // 2:DIM], Ks[st, :, DIM // 2:DIM], S1, transpose_B=True, clear_accum=True, policy=policy)
     for h, k in T.Parallel(HEADS, block_n):
         S[h, k] = S[h, k] + S1[h, k]
     for h, k in T.Parallel(HEADS, block_n):
@@ -117,7 +120,10 @@ def _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, st, t,
     for h, d in T.Parallel(HEADS, DIM):
         acc[h, d] *= alpha[h]
     T.copy(S, Pr)
-    T.gemm(Pr, Vs[st, :, :], acc)
+    if warps > 1:
+        T.sync_threads()  # every warp's columns of P are in
+        fence()
+    T.gemm(Pr, Vs[st, :, :], acc, policy=policy)
 
 
 @T.macro
@@ -178,9 +184,13 @@ def _finish(O, LSE, G, GH, acc, rowsum, l_sum, alpha, m_cur, row, sp, h0: T.Ref,
                     LSE[row, h0 + h] = T.if_then_else(l_sum[h] > 0, m_cur[h] * qk_scale + T.log(l_sum[h]), NEG_INF)
 
 
-def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
+def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None, warps=1):
     """The attention pass (mate.qsa.kernels.sparse's arguments, then KS, VS, v_mult); split: FP32 partials per
     split for `merge`.
+
+    warps: the warps that share one (row, KV head, split) and its tiles (see _attend); 1, the design above.
+    (Not a config key yet: written 2026-12-08 without a GPU, never run; issue 37's probe found one warp's tile
+    math, ~950 ns a 16-token tile on an H100, to be what bounds a CTA at decode.)
 
     kv_dtype (a compile-time option, not a config key): an FP8 cache's dtype, on the entry's tiles. Its rows are
     gathered as FP8 into the ring (half the bytes) and upcast to FP16 a tile at a time (FP16 MMAs). The dequant scales are factors
@@ -188,6 +198,8 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
     K_SCALE_DEV), v_scale the output's normalization (v_mult, or VS[0] with V_SCALE_DEV). A 16-bit cache ignores
     KS, VS and v_mult (the wrapper passes stand-ins and 1)."""
     assert CHUNK % block_n == 0 and num_stages - 1 <= CHUNK // block_n, "a chunk's lists live until its tiles are read"
+    threads = WARP * warps
+    assert CHUNK % threads == 0 and block_n % (threads // 8) == 0 and block_n // warps >= 8, f"warps {warps} at block_n {block_n}"
     fp8 = kv_dtype is not None
     assert not fp8 or kv_dtype in FP8_KV, f"kv_dtype must be one of {FP8_KV}, got {kv_dtype}"
     kv_dtype = kv_dtype or dtype
@@ -205,7 +217,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
         scale: T.float32, row_mode: T.int32, flags: T.int32, n_req: T.int32, q_len: T.int32, chunk: T.int32,
         KS: T.Tensor((1,), "float32"), VS: T.Tensor((1,), "float32"), v_mult: T.float32,
     ):
-        with T.Kernel(R, HKV, SPL if split else 1, threads=WARP) as (row, kvh, sp):
+        with T.Kernel(R, HKV, SPL if split else 1, threads=threads) as (row, kvh, sp):
             T.import_source(sources)
             Qs = T.alloc_shared((HEADS, DIM), mma)
             # the ring as gathered; an FP8 one is upcast into a one-stage FP16 tile for the MMAs
@@ -217,12 +229,13 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             ko = T.alloc_shared((2, CHUNK), "int32", scope="shared")
             vo = T.alloc_shared((2, CHUNK), "int32", scope="shared")
             counts = T.alloc_shared((2,), "int32", scope="shared")
-            tok = T.alloc_local((PER_LANE,), "int32")
-            pg = T.alloc_local((PER_LANE,), "int32")
-            sl = T.alloc_local((PER_LANE,), "int32")
+            tok = T.alloc_local((CHUNK // threads,), "int32")
+            pg = T.alloc_local((CHUNK // threads,), "int32")
+            sl = T.alloc_local((CHUNK // threads,), "int32")
             S = T.alloc_fragment((HEADS, block_n), "float32")
             S1 = T.alloc_fragment((HEADS, block_n), "float32")
-            Pr = T.alloc_fragment((HEADS, block_n), mma)  # P in the MMA's dtype, the PV MMA's A
+            # P in the MMA's dtype, the PV MMA's A (from registers, or shared when warps share the tile)
+            Pr = T.alloc_fragment((HEADS, block_n), mma) if warps == 1 else T.alloc_shared((HEADS, block_n), mma)
             rowsum = T.alloc_fragment((HEADS, block_n), "float32")
             acc = T.alloc_fragment((HEADS, DIM), "float32")
             m_cur = T.alloc_fragment((HEADS,), "float32")
@@ -230,19 +243,19 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             alpha = T.alloc_fragment((HEADS,), "float32")
             l_sum = T.alloc_fragment((HEADS,), "float32")
             b, local, nrows, lo, hi = alloc_vars(5)
-            lane = T.get_thread_binding()
+            tx = T.get_thread_binding()
             # The wrapper passes Q and K/V with unit feature stride, 16-byte aligned bases and strides.
             assume_aligned(*a.q_strides)
             assume_aligned(*a.kv_strides, elems=vec)
             if split:
                 T.pdl_trigger()
-                _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, lane, WARP, W, MP, BTB, NM, NSLK)
+                _prefetch_metadata(TI, BT, ROWMAP, SLK, row, sp, chunk, tx, threads, W, MP, BTB, NM, NSLK)
             strides = a.kv_strides
             group = T.alloc_var("int32")
             h0 = T.alloc_var("int32")
             group = HQ // HKV
             h0 = kvh * group
-            _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, lane, R, row_mode, n_req, q_len, WARP)
+            _row_request(ROWMAP, counts, b, local, nrows, lo, hi, row, tx, R, row_mode, n_req, q_len, threads)
             bs, paged, live, pos, limit = _row_keys(SLQ, SLK, QP, b, local, nrows, row, flags, MP, PS)
             n_slots = T.alloc_var("int32")
             block_slots = T.alloc_var("int32")
@@ -250,9 +263,9 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
             n_tiles = T.ceildiv(T.max(last - first, 0), block_n)
 
             # chunk 0's pages and chunk 1's token ids in flight before the ring starts
-            _chunk_ids(TI, BI, tok, row, 0, lane, first, last, block_slots, blocks, NB)
-            _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
-            _chunk_ids(TI, BI, tok, row, 1, lane, first, last, block_slots, blocks, NB)
+            _chunk_ids(TI, BI, tok, row, 0, tx, first, last, block_slots, blocks, NB, threads)
+            _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS, threads)
+            _chunk_ids(TI, BI, tok, row, 1, tx, first, last, block_slots, blocks, NB, threads)
             qmul = T.alloc_var("float32")
             qmul = 1.0
             _load_q(Q, Qs, row, h0, group, qmul, fp8, dtype)
@@ -273,13 +286,13 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
                 if i < n_tiles:
                     if i * block_n % CHUNK == 0:
                         c = i * block_n // CHUNK
-                        _publish(ko, vo, pg, sl, c, lane, kvh, P, strides, vec)
-                        _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS)
-                        _chunk_ids(TI, BI, tok, row, c + 2, lane, first, last, block_slots, blocks, NB)
+                        _publish(ko, vo, pg, sl, c, tx, kvh, P, strides, vec, threads)
+                        _chunk_pages(BT, tok, pg, sl, bs, paged, live, limit, pos, row_mode, PS, threads)
+                        _chunk_ids(TI, BI, tok, row, c + 2, tx, first, last, block_slots, blocks, NB, threads)
                         T.sync_threads()  # the chunk's lists are published
                         fence()
-                    _gather_rows(K, Kr, ko, i % num_stages, i, lane, block_n, vec)
-                    _gather_rows(V, Vr, vo, i % num_stages, i, lane, block_n, vec)
+                    _gather_rows(K, Kr, ko, i % num_stages, i, tx, block_n, vec, threads)
+                    _gather_rows(V, Vr, vo, i % num_stages, i, tx, block_n, vec, threads)
                 T.ptx_commit_group()
                 if i >= num_stages - 1:
                     T.ptx_wait_group(num_stages - 1)
@@ -291,7 +304,7 @@ def sparse_attention_warp(dtype, split, block_n, num_stages, kv_dtype=None):
                         upcast_stage(Vr, Vs, st)
                         T.sync_threads()
                     _attend(Qs, Ks, Vs, ko, S, S1, Pr, acc, m_cur, m_prev, alpha, rowsum, 0 if fp8 else st,
-                            i - num_stages + 1, scale_log2, block_n)
+                            i - num_stages + 1, scale_log2, block_n, warps)
                     fence()
                     T.sync_threads()  # the stage is free for the gather num_stages - 1 tiles on
             _finish(O, LSE, G, GH, acc, rowsum, l_sum, alpha, m_cur, row, sp, h0, group, qk_scale, norm, flags, split)
