@@ -20,7 +20,8 @@ error < 1e-2; SGLang, which has no gate, against the ungated reference). Impleme
 shipped dispatch), `mate-wgmma` (the warp-specialized wgmma family, mate.qsa.kernels.sparse, forced),
 and with --upstream DIR the real vLLM and SGLang Triton kernels (benchmarks/upstream_qsa.py: files
 DIR/vllm_qsa.py and DIR/sglang_qsa.py, copies of their sources, not in this repository).
-`--sweep` also times the small-CTA family's tiles (block_n x num_stages) and split counts.
+`--sweep` also times the small-CTA family's tiles (block_n x num_stages, or BLOCK_N/STAGES/WARPS with several warps a
+tile: the program's `warps`, not a config key) and split counts, each checked against the reference first.
 `--variants NAME=FILE ...`: the same-run A/B of small-CTA programs (FILE: another version of
 mate/qsa/kernels/sparse_warp.py, `-` the shipped one), at `--variant-gates` (element, head, none) and
 `--variant-splits`; with --kv-dtype, each version's FP8 timings.
@@ -153,11 +154,13 @@ def time_fp8(label, p, kinds, splits=()) -> dict:
 
 
 def sweep(p, ref, pairs) -> dict:
-    """The small-CTA family at each (block_n, num_stages) of `pairs` (both split keys) and split counts: cold us."""
+    """The small-CTA family at each (block_n, num_stages[, warps]) of `pairs` (both split keys) and split counts: cold
+    us, keyed block_n/num_stages/splits (block_n/num_stagesWwarps/splits with several warps a tile)."""
     card = stage_card("qsa_attention_warp")
     out = {}
-    for bn, ns in pairs:
-        tiles = dict(block_n=bn, num_stages=ns)
+    for bn, ns, *w in pairs:
+        tiles = dict(block_n=bn, num_stages=ns, **({"warps": w[0]} if w and w[0] > 1 else {}))
+        tag = f"{bn}/{ns}" + (f"w{tiles['warps']}" if "warps" in tiles else "")
         if card.limits({"dtype": "bfloat16", "split": 1}, tiles):
             continue
         with qsa_warp_tiles(tiles):
@@ -167,13 +170,13 @@ def sweep(p, ref, pairs) -> dict:
                     continue
                 call = (lambda s=s: mate.qsa_sparse_attention(**p, num_splits=s))
                 try:
-                    checked(f"sweep {bn}/{ns}/{s}", call, ref)
+                    checked(f"sweep {tag}/{s}", call, ref)
                     t = cold_graph_us(call)
                 except Exception as e:  # a tile pair that does not compile is reported, not fatal
-                    print(f"  block_n {bn} num_stages {ns} splits {s}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    print(f"  tiles {tag} splits {s}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                out[f"{bn}/{ns}/{s}"] = t
-                print(f"  block_n {bn} num_stages {ns} splits {s or 'auto'}: {t:.1f} us", flush=True)
+                out[f"{tag}/{s}"] = t
+                print(f"  tiles {tag} splits {s or 'auto'}: {t:.1f} us", flush=True)
     return out
 
 
@@ -183,7 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--families", nargs="*", default=["wgmma"], help="kernel families also timed forced")
     ap.add_argument("--upstream", default=None, help="folder with vllm_qsa.py and sglang_qsa.py (copies of upstream)")
     ap.add_argument("--extra", action="store_true", help="shared 512-page pool, block hint, gate per head / none")
-    ap.add_argument("--sweep", nargs="*", default=None, metavar="BLOCK_N/STAGES",
+    ap.add_argument("--sweep", nargs="*", default=None, metavar="BLOCK_N/STAGES[/WARPS]",
                     help="the small-CTA family at these tiles (default: every pair of its space), each at several split counts")
     ap.add_argument("--no-hbm-pools", action="store_true", help="rows 64 / 256 on small pools (a quick report)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE")
