@@ -42,7 +42,7 @@ import os
 
 import torch
 from common import RESULTS, SERVING_D, SERVING_HKV, cold_graph_us, environment, qsa_serving_problem, write_json
-from overrides import program_variants, qsa_family, qsa_warp_tiles, stage_card
+from overrides import program_variants, qsa_family, qsa_warp_tiles, qsa_warp_tiles_arg, stage_card
 
 import mate
 
@@ -113,7 +113,7 @@ def time_case(label, p, hint, args, upstream):
             run(f"mate {gate_name}", lambda q=q: mate.qsa_sparse_attention(**q),
                 mate.qsa_sparse_attention(**q, backend="reference"))
     if args.sweep:
-        res["sweep"] = sweep(p, ref, [tuple(map(int, t.split("/"))) for t in args.sweep])
+        res["sweep"] = sweep(p, ref, [qsa_warp_tiles_arg(t) for t in args.sweep])
     res["tb_s"] = {k: res["gbytes"] / v * 1e3 for k, v in res["us"].items()}
     print(f"{label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["us"].items()), flush=True)
     return res
@@ -153,14 +153,13 @@ def time_fp8(label, p, kinds, splits=()) -> dict:
     return res
 
 
-def sweep(p, ref, pairs) -> dict:
-    """The small-CTA family at each (block_n, num_stages[, warps]) of `pairs` (both split keys) and split counts: cold
-    us, keyed block_n/num_stages/splits (block_n/num_stagesWwarps/splits with several warps a tile)."""
+def sweep(p, ref, tile_args) -> dict:
+    """The small-CTA family at each (tiles, label) of `tile_args` (overrides.qsa_warp_tiles_arg's; both split keys)
+    and split counts: cold us, keyed label/splits."""
     card = stage_card("qsa_attention_warp")
     out = {}
-    for bn, ns, *w in pairs:
-        tiles = dict(block_n=bn, num_stages=ns, **({"warps": w[0]} if w and w[0] > 1 else {}))
-        tag = f"{bn}/{ns}" + (f"w{tiles['warps']}" if "warps" in tiles else "")
+    for tiles, tag in tile_args:
+        bn = tiles["block_n"]
         if card.limits({"dtype": "bfloat16", "split": 1}, tiles):
             continue
         with qsa_warp_tiles(tiles):

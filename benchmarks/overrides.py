@@ -69,6 +69,14 @@ def qsa_warp_tiles(tiles: dict, dtype: str = "bfloat16", target: str = "sm90"):
         yield
 
 
+def qsa_warp_tiles_arg(text: str) -> tuple[dict, str]:
+    """A command line's small-CTA tiles, BLOCK_N/STAGES[/WARPS] (WARPS: sparse_attention_warp's `warps`, not a
+    config key; left out at 1), as (tiles for qsa_warp_tiles, label: block_n/num_stages[wWARPS])."""
+    bn, ns, *w = map(int, text.split("/"))
+    tiles = dict(block_n=bn, num_stages=ns, **({"warps": w[0]} if w and w[0] > 1 else {}))
+    return tiles, f"{bn}/{ns}" + (f"w{tiles['warps']}" if "warps" in tiles else "")
+
+
 def qsa_splits_run(tiles: int, num_splits: int) -> tuple[int, int]:
     """(tiles a split, splits) of a qsa_sparse_attention call asking for num_splits over `tiles` key tiles (no split
     left empty: mate.qsa.attention.split_tiles)."""

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import RESULTS, cold_graph_us, environment, qsa_serving_problem, write_json  # noqa: E402
-from overrides import compile_kernels, program_variants, qsa_family, qsa_splits_run, qsa_warp_tiles  # noqa: E402
+from overrides import compile_kernels, program_variants, qsa_family, qsa_splits_run, qsa_warp_tiles, qsa_warp_tiles_arg  # noqa: E402
 
 import mate  # noqa: E402
 
@@ -156,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    tiles = [dict(zip(("block_n", "num_stages", "warps"), map(int, t.split("/")))) for t in args.tiles]
+    tiles = [qsa_warp_tiles_arg(t) for t in args.tiles]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "sparse_warp_probe.py"
         src.write_text(probe_source())
@@ -165,7 +165,7 @@ def main(argv=None):
             if args.compile_only:
                 for version in ("probe", "shipped"):
                     use(version)  # in this process: the pool's workers would not see the probe's card
-                    jobs = [("qsa_attention_warp", f"dtype=bfloat16,split={split}", t, True) for t in tiles for split in (0, 1)]
+                    jobs = [("qsa_attention_warp", f"dtype=bfloat16,split={split}", t, True) for t, _ in tiles for split in (0, 1)]
                     for job, (_, err) in compile_kernels(jobs, 1):
                         print(f"{version} {job[2]} {job[1]}: {err or 'compiled'}", flush=True)
                 return None
@@ -175,9 +175,9 @@ def main(argv=None):
                 p, _ = qsa_serving_problem(gen, rows, 1, gate="element")
                 width = p["token_indices"].shape[-1]
                 gate = p["gate"].float().cuda()
-                p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t["block_n"] for t in tiles)))
-                for t in tiles:
-                    bn, ns, label = t["block_n"], t["num_stages"], "/".join(map(str, t.values()))
+                p["gate"] = padded_gate(gate, rows * p["key"].shape[-2] * -(-width // min(t["block_n"] for t, _ in tiles)))
+                for t, label in tiles:
+                    bn, ns = t["block_n"], t["num_stages"]
                     with qsa_warp_tiles(t), qsa_family("warp"):
                         tiles_total = -(-width // bn)
                         for s in args.splits:

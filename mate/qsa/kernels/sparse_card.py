@@ -79,6 +79,8 @@ def _warp_limits(spec, t):
         return f"block_n {t['block_n']} must be a multiple of 16 (the PV MMA's k) dividing {WARP_CHUNK}"
     if t["num_stages"] - 1 > WARP_CHUNK // t["block_n"]:
         return f"num_stages {t['num_stages']}: a decoded chunk's lists must outlive the ring ({WARP_CHUNK // t['block_n']} tiles a chunk)"
+    if (w := t.get("warps", 1)) > 1 and (WARP_CHUNK % (WARP * w) or t["block_n"] % (WARP * w // 8) or t["block_n"] // w < 8):
+        return f"warps {w} at block_n {t['block_n']}: a chunk a whole number of slots a thread, whole gather rounds, 8 tokens a warp"
     if t["num_stages"] < 2:
         return f"num_stages {t['num_stages']}: the ring needs 2 stages or more (one gathers while one is read)"
     # an entry's tiles serve its FP8 variants too (the upcast tiles make theirs the larger at one byte an element)
